@@ -1,0 +1,52 @@
+"""Kiln's Triton kernels, each with a torch reference (``kiln.kernels.reference``).
+
+Kernels (all take CUDA tensors; on the CPU they run only under ``TRITON_INTERPRET=1``,
+which the tests use):
+
+==========================  =============================  ===============================
+kernel                      module                         reference
+==========================  =============================  ===============================
+``paged_attention``         ``attention``                  ``paged_attention_ref``
+``reshape_and_cache``       ``cache``                      ``reshape_and_cache_ref``
+``rms_norm``                ``norm``                       ``rms_norm_ref``
+``fused_add_rms_norm``      ``norm``                       ``fused_add_rms_norm_ref``
+``rotary_embedding``        ``rotary``                     ``rotary_embedding_ref``
+``silu_and_mul``            ``activation``                 ``silu_and_mul_ref``
+==========================  =============================  ===============================
+
+``build_cos_sin_cache`` (reference module) builds the rotary table both use.  Importing
+this package needs no GPU.  It never imports ``kiln.runtime``.
+"""
+
+from kiln.kernels.reference import (  # noqa: F401
+    FP8_E4M3_MAX,
+    build_cos_sin_cache,
+    fused_add_rms_norm_ref,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+    rms_norm_ref,
+    rotary_embedding_ref,
+    silu_and_mul_ref,
+)
+from kiln.kernels.activation import silu_and_mul  # noqa: F401
+from kiln.kernels.attention import paged_attention  # noqa: F401
+from kiln.kernels.cache import reshape_and_cache  # noqa: F401
+from kiln.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: F401
+from kiln.kernels.rotary import rotary_embedding  # noqa: F401
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "build_cos_sin_cache",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+]

@@ -1,0 +1,349 @@
+"""Attention over the paged KV cache (Triton): prefill, chunked prefill, decode, mixed batches.
+
+One kernel, two launch modes behind one launcher (``paged_attention``):
+
+* **decode** (every sequence has exactly one new query token): grid
+  ``(num_seqs, num_kv_heads, num_splits)``.  A program loads the query rows of *all* query
+  heads that share one KV head (GQA: the K/V tile is read once for the group) and walks one
+  slice of the context; with ``num_splits > 1`` the context is split across programs
+  (flash-decoding, Dao et al. 2023) and a second kernel merges the partial results with
+  their running max and sum (log-sum-exp merge).  Splits are picked from the batch shape so
+  that the grid fills the GPU; no device value is read on the host (CUDA-graph safe).
+* **prefill / mixed** (any query lengths, variable per sequence through ``cu_seqlens_q``):
+  grid ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads)``.  Each program owns BLOCK_Q
+  query tokens of one sequence times the G query heads of one KV head (BLOCK_M = BLOCK_Q *
+  G rows) and finds its sequence by binary search over ``cu_seqlens_q`` (the grid is an
+  upper bound; surplus programs exit), as in vLLM's unified Triton attention.  Query row
+  ``j`` of a sequence of context ``L`` and ``q_len`` new tokens sits at position
+  ``L - q_len + j`` and attends causally to keys ``0..L - q_len + j`` (cached prefix + the
+  new tokens).
+
+The inner loop is FlashAttention-2's (Dao 2023): online softmax in base 2 with running max
+``m`` and sum ``l``, ``acc = acc * alpha + P @ V``; K/V tiles of BLOCK_N tokens are gathered
+through the block table one token row at a time (``block_tables[s, n // block_size]``,
+int64 offsets), which is vLLM's paged attention layout.  FP8 caches (float8_e4m3fn) are
+converted to the query dtype in registers; the K scale is folded into the softmax scale and
+the V scale into the output (a program sees one KV head, so per-head scales are scalars).
+
+Reference: ``reference.paged_attention_ref``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.launch import (
+    Scale,
+    attention_config,
+    check,
+    check_last_dim_contiguous,
+    decode_num_splits,
+    next_power_of_2,
+    scale_args,
+)
+
+__all__ = ["paged_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with cu[s] // BLOCK_Q + s <= pid (the sequence owning q-block ``pid``)."""
+    lo = pid * 0  # tensors, not constexprs (num_seqs == 1 is specialized to a constant)
+    hi = pid * 0 + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _load_scale(ptr, stride, val, head, MODE: tl.constexpr):
+    """A KV dequantization scale: MODE 0 none (1.0), 1 the float ``val``, 2 ``ptr[head * stride]``."""
+    s = 1.0
+    if MODE == 2:
+        s = tl.load(ptr + head * stride).to(tl.float32)
+    elif MODE == 1:
+        s = val
+    return s
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_ptr,
+    k_scale_ptr, k_scale_stride, k_scale_val, v_scale_ptr, v_scale_stride, v_scale_val,
+    sm_scale, num_seqs, head_dim, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_pt, stride_ph,  # partials [T, Hq, NUM_SPLITS, (BLOCK_D)], split stride implied
+    G: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr,
+    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # --- which sequence and which of its query tokens this program owns
+    if IS_DECODE:
+        s = pid
+        q_local0 = 0
+    else:
+        s = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
+        q_local0 = (pid - (tl.load(cu_ptr + s) // BLOCK_Q + s)) * BLOCK_Q
+    q_start = tl.load(cu_ptr + s)
+    q_len = tl.load(cu_ptr + s + 1) - q_start
+    if q_local0 >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + s)
+
+    rows = tl.arange(0, BLOCK_M)
+    r_q = rows // G  # query token within the block
+    r_h = rows % G  # query head within the group
+    q_local = q_local0 + r_q
+    row_ok = (r_q < BLOCK_Q) & (q_local < q_len)
+    tok = (q_start + q_local).to(tl.int64)
+    head = kvh * G + r_h
+    q_pos = ctx - q_len + q_local  # absolute position of each row's query token
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+
+    # keys this q-block can see: 0 .. position of its last query token
+    kv_end = ctx - q_len + tl.minimum(q_len, q_local0 + BLOCK_Q)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+
+    k_scale = _load_scale(k_scale_ptr, k_scale_stride, k_scale_val, kvh, K_SCALE_MODE)
+    v_scale = _load_scale(v_scale_ptr, v_scale_stride, v_scale_val, kvh, V_SCALE_MODE)
+    qk_scale = sm_scale * 1.4426950408889634 * k_scale  # base-2 softmax
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+        off = (n % block_size).to(tl.int64)
+        k = tl.load(
+            k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        sc = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+        ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        sc = tl.where(ok, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_head + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+        m_i = m_new
+
+    acc = acc * v_scale
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        prow = tok * stride_pt + head * stride_ph + split  # index into [T, Hq, NUM_SPLITS]
+        tl.store(part_m_ptr + prow, m_i, mask=row_ok)
+        tl.store(part_l_ptr + prow, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    stride_ot, stride_oh, stride_pt, stride_ph, head_dim,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t, h] = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i  (flash-decoding reduce)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    sp = tl.arange(0, SPLITS_P2)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    prow = t * stride_pt + h * stride_ph + sp
+    m = tl.load(part_m_ptr + prow, mask=sp_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + prow, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(sp_ok, tl.math.exp2(m - m_max), 0.0)
+    denom = tl.sum(w * l, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # int32 [S, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # int32 [S]
+    cu_seqlens_q: torch.Tensor,  # int32 [S + 1]
+    scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    max_query_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    config: Optional[dict] = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of the new query tokens over the paged KV cache.
+
+    Semantics are those of ``reference.paged_attention_ref``: sequence ``s`` owns query rows
+    ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``; ``seq_lens[s]`` counts its whole context
+    including those new tokens (already written with ``reshape_and_cache``); query head
+    ``h`` uses KV head ``h // (Hq // Hkv)``.
+
+    Args:
+        q: ``[T, Hq, D]`` float16/bfloat16/float32, last dim contiguous (token and head
+            strides free: a view of a fused QKV output works).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype or float8_e4m3fn;
+            last dim contiguous, other strides free.
+        block_tables: int32 ``[S, max_blocks_per_seq]``, row stride free, last dim
+            contiguous.  Only entries covering ``seq_lens[s]`` tokens are read.
+        seq_lens: int32 ``[S]``; 0 for a padded (idle) decode slot, whose output is zeros.
+        cu_seqlens_q: int32 ``[S + 1]``, ``cu_seqlens_q[0] == 0``, non-decreasing, and
+            ``q_len <= seq_len`` per sequence (not checked on the device).
+        scale: softmax scale (usually ``D ** -0.5``).
+        k_scale, v_scale: dequantization scales of an fp8 cache (float, 1-element or
+            ``[Hkv]`` float32 tensor); ignored for other cache dtypes.
+        out: optional ``[T, Hq, D]`` destination in q's dtype, last dim contiguous.
+        max_query_len: largest ``q_len`` in the batch if the caller knows it.  1 selects
+            the decode kernel.  When None, the decode kernel is used iff ``T == S`` (then
+            every sequence must have exactly one query row).
+        num_splits: force the number of context splits (decode mode; tests, tuning).
+        max_seq_len: optional upper bound of ``seq_lens``; lets the decode heuristic avoid
+            splitting short contexts.  Must be a host int.
+        config: override of the launch meta-parameters from ``tuning.ATTENTION``
+            (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``); for tuning.
+    Returns:
+        ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
+        unwritten.
+    Raises:
+        ValueError: bad shapes, dtypes, devices or strides.
+    """
+    check(q.dim() == 3, f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    T, Hq, D = q.shape
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+          f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _, block_size, Hkv, Dk = k_cache.shape
+    check(Dk == D, f"cache head_dim {Dk} != q head_dim {D}")
+    check(Hq % Hkv == 0, f"num query heads {Hq} is not a multiple of num kv heads {Hkv}")
+    check(q.dtype in _MODEL_DTYPES, f"unsupported q dtype {q.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
+    check(fp8 or k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
+    check(block_tables.dim() == 2 and block_tables.dtype == torch.int32, "block_tables must be int32 [S, max_blocks]")
+    S = block_tables.shape[0]
+    check(seq_lens.shape == (S,) and seq_lens.dtype == torch.int32, f"seq_lens must be int32 [{S}]")
+    check(cu_seqlens_q.shape == (S + 1,) and cu_seqlens_q.dtype == torch.int32, f"cu_seqlens_q must be int32 [{S + 1}]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        check(t.device == q.device, f"{name} on {t.device}, q on {q.device}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    check(seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(), "seq_lens and cu_seqlens_q must be contiguous")
+    if out is None:
+        out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    check(out.shape == (T, Hq, D) and out.dtype == q.dtype and out.device == q.device, "bad out tensor")
+    check_last_dim_contiguous("out", out)
+    if T == 0 or S == 0:
+        return out
+
+    G = Hq // Hkv
+    decode = max_query_len == 1 if max_query_len is not None else T == S
+    cfg = attention_config("decode" if decode else "prefill")
+    if config:
+        cfg.update(config)
+    BLOCK_D = max(16, next_power_of_2(D))
+    BLOCK_N = cfg["BLOCK_N"]
+    if decode:
+        BLOCK_Q = 1
+        BLOCK_M = max(16, next_power_of_2(G))
+        splits = num_splits or decode_num_splits(S, Hkv, q.device, max_seq_len)
+        grid0 = S
+    else:
+        BLOCK_M = max(cfg["BLOCK_M"], 16, next_power_of_2(G))
+        BLOCK_Q = BLOCK_M // G
+        splits = num_splits or 1
+        grid0 = T // BLOCK_Q + S
+    splits = max(1, int(splits))
+
+    ks = scale_args(k_scale if fp8 else None, Hkv, q, "k_scale")
+    vs = scale_args(v_scale if fp8 else None, Hkv, q, "v_scale")
+    if splits > 1:
+        part_acc = torch.empty(T, Hq, splits, BLOCK_D, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    _paged_attn_kernel[(grid0, Hkv, splits)](
+        q, k_cache, v_cache, out,
+        part_acc, part_m, part_l,
+        block_tables, seq_lens, cu_seqlens_q,
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        float(scale), S, D, block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        Hq * splits, splits,
+        G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        NUM_SPLITS=splits, IS_DECODE=decode,
+        K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _merge_splits_kernel[(T, Hq)](
+            out, part_acc, part_m, part_l,
+            out.stride(0), out.stride(1), Hq * splits, splits, D,
+            NUM_SPLITS=splits, SPLITS_P2=next_power_of_2(splits), BLOCK_D=BLOCK_D,
+            num_warps=1 if BLOCK_D * splits <= 1024 else 4,
+        )
+    return out

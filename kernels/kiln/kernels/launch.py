@@ -1,0 +1,114 @@
+"""Launch heuristics and argument checks shared by every launcher (one place, as Liger-Kernel's
+``ops/utils.py``).  The numbers themselves live in ``tuning.py``."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Union
+
+import torch
+import triton
+
+from kiln.kernels import tuning
+
+__all__ = [
+    "interpreting",
+    "next_power_of_2",
+    "num_sms",
+    "row_warps",
+    "decode_num_splits",
+    "attention_config",
+    "check",
+    "check_last_dim_contiguous",
+    "scale_args",
+]
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_cached(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``tuning.DEFAULT_NUM_SMS`` for a CPU device)."""
+    if device.type == "cuda":
+        return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
+    return tuning.DEFAULT_NUM_SMS
+
+
+def row_warps(num_elements: int) -> int:
+    """num_warps for a kernel whose program handles one row of ``num_elements``."""
+    if interpreting():
+        return 1
+    for limit, warps in tuning.ROW_WARPS:
+        if num_elements <= limit:
+            return warps
+    return tuning.ROW_WARPS[-1][1]
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_context: Optional[int] = None) -> int:
+    """Flash-decoding splits of the context so that the grid fills the GPU.
+
+    Depends only on the batch shape (and an optional upper bound of the context), never on
+    device data, so it is fixed for a CUDA graph captured at one batch size.
+    """
+    cfg = tuning.DECODE_SPLIT
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = num_sms(device) * cfg["programs_per_sm"]
+    splits = max(1, -(-want // programs))
+    if max_context is not None:
+        splits = min(splits, max(1, max_context // cfg["min_tokens_per_split"]))
+    return int(min(splits, cfg["max_splits"]))
+
+
+def attention_config(kind: str) -> dict:
+    """Meta-parameters for the paged attention kernel: ``kind`` is "decode" or "prefill"."""
+    if interpreting():
+        return dict(tuning.ATTENTION["interpreter"])
+    return dict(tuning.ATTENTION[kind])
+
+
+def check(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless cond."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    check(t.stride(-1) == 1, f"{name} must have a contiguous last dim, got strides {tuple(t.stride())}")
+
+
+Scale = Union[float, torch.Tensor, None]
+
+
+def scale_args(scale: Scale, num_kv_heads: int, dummy: torch.Tensor, name: str):
+    """Kernel arguments ``(ptr, stride, value, mode)`` for a KV scale.
+
+    mode 0: no scale (1.0); 1: the Python float ``value``; 2: a device tensor read at
+    ``ptr[head * stride]`` (stride 0 for a 1-element tensor, 1 for a ``[num_kv_heads]`` one).
+    A float scale costs no device copy (safe inside CUDA-graph capture).
+
+    Raises:
+        ValueError: a tensor scale on another device, of a size other than 1 or
+            ``num_kv_heads``, or not contiguous.
+    """
+    if scale is None:
+        return dummy, 0, 1.0, 0
+    if isinstance(scale, torch.Tensor):
+        check(scale.device == dummy.device, f"{name} is on {scale.device}, expected {dummy.device}")
+        check(scale.dtype == torch.float32, f"{name} must be float32, got {scale.dtype}")
+        n = scale.numel()
+        check(n in (1, num_kv_heads), f"{name} has {n} elements, expected 1 or num_kv_heads={num_kv_heads}")
+        check(n == 1 or scale.reshape(-1).stride(0) == 1, f"{name} must be contiguous")
+        return scale, (0 if n == 1 else 1), 1.0, 2
+    return dummy, 0, float(scale), 1

@@ -1,0 +1,122 @@
+"""RMSNorm and fused residual-add + RMSNorm (Triton), as Hugging Face's ``LlamaRMSNorm``.
+
+One program per row; the row lives in registers (hidden sizes up to 65536).  Statistics in
+float32; the normalized row is cast to the input dtype before the weight multiply, like
+``weight * x_normed.to(input_dtype)``.  References: ``reference.rms_norm_ref`` and
+``reference.fused_add_rms_norm_ref``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.launch import check, check_last_dim_contiguous, next_power_of_2, row_warps
+
+__all__ = ["rms_norm", "fused_add_rms_norm"]
+
+_MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # round the sum to the input dtype, as torch's `x + residual` does
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / hidden
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # product in float32, one rounding to the output dtype (= torch's bf16/fp16 multiply)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_common(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check(x.dim() == 2, f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    check(weight.shape == (x.shape[1],), f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+    check(weight.device == x.device, f"weight on {weight.device}, x on {x.device}")
+    check(x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {x.dtype}")
+    check(x.shape[1] <= _MAX_HIDDEN, f"hidden size {x.shape[1]} > {_MAX_HIDDEN}")
+    check_last_dim_contiguous("x", x)
+    check(weight.stride(0) == 1, "weight must be contiguous")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of each row: ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
+
+    Args:
+        x: ``[T, H]`` float16/bfloat16/float32, last dim contiguous (rows may be strided).
+        weight: ``[H]``, contiguous.
+        eps: added to the mean square.
+        out: optional ``[T, H]`` destination in x's dtype (may be ``x`` itself).
+    Returns:
+        ``[T, H]`` in x's dtype.
+    Raises:
+        ValueError: bad shapes, dtypes, devices or strides.
+    """
+    _check_common(x, weight)
+    if out is None:
+        out = torch.empty_like(x)
+    check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1, "bad out tensor")
+    T, H = x.shape
+    if T == 0:
+        return out
+    _rms_norm_kernel[(T,)](
+        x, x, weight, out, out,
+        x.stride(0), 0, out.stride(0), 0,
+        H, float(eps),
+        HAS_RESIDUAL=False, BLOCK=next_power_of_2(H), num_warps=row_warps(H),
+    )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual``; ``normed = rms_norm(new_residual)``, in one pass.
+
+    Args:
+        x, residual: ``[T, H]``, same dtype, last dim contiguous.
+        weight: ``[H]``.
+        eps: added to the mean square.
+        inplace: if True, ``normed`` is written into ``x`` and ``new_residual`` into
+            ``residual`` (vLLM's convention) and those two tensors are returned; otherwise
+            both results are new tensors and the inputs are untouched.
+    Returns:
+        ``(normed, new_residual)``, both ``[T, H]`` in x's dtype.
+    Raises:
+        ValueError: bad shapes, dtypes, devices or strides.
+    """
+    _check_common(x, weight)
+    check(residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x in shape and dtype")
+    check(residual.device == x.device, "residual on another device")
+    check_last_dim_contiguous("residual", residual)
+    if inplace:
+        out, res_out = x, residual
+    else:
+        out, res_out = torch.empty_like(x), torch.empty_like(residual)
+    T, H = x.shape
+    if T == 0:
+        return out, res_out
+    _rms_norm_kernel[(T,)](
+        x, residual, weight, out, res_out,
+        x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
+        H, float(eps),
+        HAS_RESIDUAL=True, BLOCK=next_power_of_2(H), num_warps=row_warps(H),
+    )
+    return out, res_out

@@ -1,0 +1,29 @@
+"""Launch configurations for Kiln's kernels: data only, read by ``launch.py``.
+
+Each entry is a plain dict of Triton meta-parameters.  Numbers in comments were measured on
+one NVIDIA H200 (see docs/benchmarks.md, "Kernels"); ``bench.py --sweep`` re-measures them.
+The ``"interpreter"`` entries keep ``TRITON_INTERPRET=1`` runs on the CPU small and quick.
+"""
+
+# Paged attention.  BLOCK_N: KV tokens per inner-loop tile; BLOCK_M: query rows per program
+# (query tokens x query heads of one KV head); num_warps / num_stages: Triton's.
+ATTENTION = {
+    # decode: one query token per sequence, all G query heads of a KV head in one program
+    "decode": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    # prefill / chunked prefill / mixed batches
+    "prefill": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
+}
+
+# Flash-decoding split count: aim for at least this many programs per SM before splitting
+# the context further, and never use more splits than this.
+DECODE_SPLIT = {"programs_per_sm": 4, "max_splits": 16, "min_tokens_per_split": 256}
+
+# Row-wise kernels (RMSNorm, rotary, KV write): warps by the row's element count.
+ROW_WARPS = [(1024, 4), (4096, 8), (1 << 30, 16)]
+
+# Element-wise kernels (SiLU-and-mul): elements per program along the row.
+ELEMENTWISE = {"BLOCK": 1024, "num_warps": 4}
+
+# SMs assumed when no CUDA device is visible (the H200 has 132).
+DEFAULT_NUM_SMS = 132

@@ -1,0 +1,10 @@
+"""The Kiln operator: reconciles ``InferenceEngine`` resources (group ``kiln.dev``) into an
+engine cache claim, a build Job, a serving Deployment, a Service and an autoscaler.
+
+Torch-free: imports only ``kiln.runtime.enginespec`` from the runtime.  Entry point:
+``kiln.operator.main:run(argv) -> int`` (``kiln operator ...``).  Modules: ``constants``
+(names, labels), ``builders`` (pure manifest functions), ``kube`` (the API client and the one
+server-side-apply helper), ``conditions``, ``reconcile`` (level-based reconcile of one
+resource), ``autoscaler`` (builtin queue-time autoscaler), ``leader`` (Lease election),
+``controller`` (work queue, resync, autoscaler loop), ``main`` (kopf handlers and the CLI).
+"""

@@ -1,0 +1,192 @@
+"""The builtin autoscaler: scrape each serving pod's ``/metrics``, turn the
+``kiln_request_queue_time_seconds`` histogram into a mean queue time per pod over the last
+interval, and recommend replicas the way the HPA does (``ceil(current * metric / target)``
+with a 10% tolerance), through stabilization windows (scale up to the *lowest*
+recommendation of the up-window, down to the *highest* of the down-window).
+
+The parsing and the decision are pure; ``BuiltinAutoscaler`` holds the per-engine history in
+memory (after an operator restart it starts again from the Deployment's current replicas).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from .constants import HTTP_PORT, METRIC_REQUEST_QUEUE_TIME, METRICS_PATH
+
+TOLERANCE = 0.1  # like the HPA: no change while |metric/target - 1| <= 10%
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)")
+
+# fetch(pod) -> Prometheus text.  Raises on failure (the pod is then skipped).
+MetricsFetcher = Callable[[Mapping[str, Any]], str]
+
+
+def http_fetcher(timeout: float = 2.0) -> MetricsFetcher:
+    """The default fetcher: ``GET http://<podIP>:8000/metrics``."""
+
+    def fetch(pod: Mapping[str, Any]) -> str:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            raise LookupError("pod has no IP")
+        host = f"[{ip}]" if ":" in ip else ip
+        with urllib.request.urlopen(f"http://{host}:{HTTP_PORT}{METRICS_PATH}", timeout=timeout) as r:
+            return r.read().decode("utf-8", errors="replace")
+
+    return fetch
+
+
+@dataclass(frozen=True)
+class HistogramTotals:
+    """Cumulative ``_sum`` (seconds) and ``_count`` (requests) of one histogram, summed over
+    label sets."""
+
+    sum: float
+    count: float
+
+
+def parse_histogram(text: str, name: str = METRIC_REQUEST_QUEUE_TIME) -> HistogramTotals | None:
+    """The totals of histogram ``name`` in Prometheus text exposition, or None when absent."""
+    total_sum = total_count = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        metric, value = m.group(1), m.group(3)
+        if metric == f"{name}_sum":
+            total_sum += float(value)
+            seen = True
+        elif metric == f"{name}_count":
+            total_count += float(value)
+            seen = True
+    return HistogramTotals(total_sum, total_count) if seen else None
+
+
+def mean_over_interval(prev: HistogramTotals | None, cur: HistogramTotals) -> float | None:
+    """Mean queue time (seconds) of the requests scheduled between two scrapes; 0.0 when none
+    were; None on the first scrape or after a counter reset."""
+    if prev is None or cur.count < prev.count or cur.sum < prev.sum:
+        return None
+    dc = cur.count - prev.count
+    return 0.0 if dc == 0 else (cur.sum - prev.sum) / dc
+
+
+def recommend(current: int, metric: float, target: float, minimum: int, maximum: int) -> int:
+    """HPA's rule: ``ceil(current * metric / target)`` clamped to ``[minimum, maximum]``,
+    unchanged within the tolerance.  ``current`` 0 recommends ``minimum``."""
+    if current <= 0:
+        return minimum
+    ratio = metric / target if target > 0 else math.inf
+    if abs(ratio - 1.0) <= TOLERANCE:
+        want = current
+    else:
+        want = math.ceil(current * ratio) if math.isfinite(ratio) else maximum
+    return max(minimum, min(maximum, want))
+
+
+def stabilize(history: Iterable[tuple[float, int]], current: int, now: float,
+              up_window: float, down_window: float) -> int:
+    """Apply stabilization windows to recommendations ``(time, replicas)`` (newest last):
+    going up, take the lowest recommendation of the last ``up_window`` seconds (not below
+    ``current``); going down, the highest of the last ``down_window`` seconds (not above
+    ``current``)."""
+    hist = list(history)
+    if not hist:
+        return current
+    latest = hist[-1][1]
+    if latest > current:
+        recent = [r for t, r in hist if now - t <= up_window] or [latest]
+        return max(current, min(recent))
+    if latest < current:
+        recent = [r for t, r in hist if now - t <= down_window] or [latest]
+        return min(current, max(recent))
+    return current
+
+
+@dataclass
+class EngineScaling:
+    """Per-engine memory of the builtin autoscaler."""
+
+    last_totals: dict[str, HistogramTotals] = field(default_factory=dict)  # pod name -> totals
+    history: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, recommendation)
+    desired: int | None = None
+    observed: float | None = None
+    last_scale_time: str | None = None
+
+
+class BuiltinAutoscaler:
+    """Decides replicas for builtin-mode engines from their pods' metrics.
+
+    ``fetcher`` reads one pod's metrics (default: HTTP to the pod IP); ``clock`` returns
+    seconds (monotonic)."""
+
+    def __init__(self, fetcher: MetricsFetcher | None = None, clock: Callable[[], float] = time.monotonic):
+        self.fetcher = fetcher or http_fetcher()
+        self.clock = clock
+        self.engines: dict[str, EngineScaling] = {}
+
+    def forget(self, key: str) -> None:
+        """Drop the memory of an engine (deleted, or no longer in builtin mode)."""
+        self.engines.pop(key, None)
+
+    def wish(self, key: str) -> tuple[int | None, dict | None]:
+        """``(desired replicas or None, status.autoscaler dict or None)`` for the reconciler."""
+        e = self.engines.get(key)
+        if e is None or e.desired is None:
+            return None, None
+        st: dict[str, Any] = {"desiredReplicas": e.desired}
+        if e.observed is not None:
+            st["observedQueueTimeSeconds"] = round(e.observed, 6)
+        if e.last_scale_time:
+            st["lastScaleTime"] = e.last_scale_time
+        return e.desired, st
+
+    def observe(self, key: str, pods: list[Mapping[str, Any]], current: int,
+                scaling: Mapping[str, Any], now_iso: str) -> bool:
+        """Scrape ``pods`` (the ready serving pods), update the recommendation of ``key``.
+        Returns True when the desired replicas changed (the engine should be reconciled)."""
+        e = self.engines.setdefault(key, EngineScaling())
+        means: list[float] = []
+        alive = set()
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            alive.add(name)
+            try:
+                totals = parse_histogram(self.fetcher(pod))
+            except Exception:  # noqa: BLE001 - an unreachable pod is skipped, like the HPA
+                continue
+            if totals is None:
+                continue
+            mean = mean_over_interval(e.last_totals.get(name), totals)
+            e.last_totals[name] = totals
+            if mean is not None:
+                means.append(mean)
+        for gone in set(e.last_totals) - alive:
+            del e.last_totals[gone]
+        if not means:
+            return False
+        metric = sum(means) / len(means)
+        e.observed = metric
+        t = self.clock()
+        rec = recommend(current, metric, float(scaling["targetQueueTimeSeconds"]),
+                        int(scaling["minReplicas"]), int(scaling["maxReplicas"]))
+        e.history.append((t, rec))
+        horizon = max(scaling["scaleUpStabilizationSeconds"], scaling["scaleDownStabilizationSeconds"])
+        while e.history and t - e.history[0][0] > horizon + 1:
+            e.history.popleft()
+        desired = stabilize(e.history, current, t, scaling["scaleUpStabilizationSeconds"],
+                            scaling["scaleDownStabilizationSeconds"])
+        changed = desired != current and desired != e.desired
+        if desired != current:
+            e.last_scale_time = now_iso if changed else e.last_scale_time
+        e.desired = desired
+        return changed or desired != current

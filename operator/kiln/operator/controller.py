@@ -1,0 +1,216 @@
+"""The controller loop around the reconciler: a de-duplicating work queue (a key is never
+reconciled by two workers at once; events that arrive mid-reconcile requeue it once), retry
+with exponential backoff, a periodic resync of every known engine (drift repair, level-based),
+and the builtin autoscaler's scrape loop.
+
+Runs inside kopf's event loop; reconciles run in worker threads (the API client is blocking).
+kopf only feeds it watch events (``observe_engine``, ``observe_child``): no kopf state is
+stored on the resources (no progress or diff-base annotations, no finalizers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import builders as b
+from . import constants as c
+from .autoscaler import BuiltinAutoscaler
+from .conditions import now_rfc3339
+from .kube import ApiError, Kube
+from .reconcile import Reconciler, ReconcilerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ControllerConfig:
+    """Loop settings (seconds / counts).
+
+    Fields:
+        workers: concurrent reconciles (threads).
+        resync_seconds: every known engine is reconciled at least this often.
+        autoscale_seconds: builtin autoscaler scrape interval.
+        backoff_base / backoff_max: retry delays after a failed reconcile.
+    """
+
+    workers: int = 8
+    resync_seconds: float = 60.0
+    autoscale_seconds: float = 15.0
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+
+
+def _rv(body: Mapping[str, Any] | None) -> int:
+    try:
+        return int((body or {}).get("metadata", {}).get("resourceVersion") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+class Controller:
+    """Owns the queue, the engine cache (last seen bodies) and the loops."""
+
+    def __init__(self, kube: Kube, reconciler_config: ReconcilerConfig | None = None,
+                 config: ControllerConfig | None = None, autoscaler: BuiltinAutoscaler | None = None):
+        self.kube = kube
+        self.config = config or ControllerConfig()
+        self.autoscaler = autoscaler or BuiltinAutoscaler()
+        self.reconciler = Reconciler(kube, reconciler_config, scaler=self.autoscaler.wish)
+        self.bodies: dict[str, dict] = {}  # key -> last seen InferenceEngine
+        self.failures: dict[str, int] = {}
+        self.num_reconciles = 0
+        self._queue: asyncio.Queue[str] | None = None
+        self._queued: set[str] = set()
+        self._active: set[str] = set()
+        self._dirty: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- inputs from kopf ----------------------------------------------------------------------
+    def observe_engine(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """An InferenceEngine watch event (``None`` type: the initial listing)."""
+        key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+        if event_type == "DELETED":
+            self.bodies.pop(key, None)
+            self.failures.pop(key, None)
+            self.autoscaler.forget(key)
+            return
+        if _rv(body) >= _rv(self.bodies.get(key)):
+            self.bodies[key] = _plain(body)
+        self.enqueue(key)
+
+    def observe_child(self, body: Mapping[str, Any]) -> None:
+        """A child's watch event: reconcile its InferenceEngine."""
+        meta = body.get("metadata") or {}
+        for ref in meta.get("ownerReferences") or []:
+            if ref.get("kind") == c.KIND and ref.get("apiVersion", "").startswith(c.GROUP + "/"):
+                self.enqueue(f"{meta.get('namespace')}/{ref.get('name')}")
+
+    # --- queue ---------------------------------------------------------------------------------
+    def enqueue(self, key: str) -> None:
+        """Queue ``key`` unless already queued; if it is being reconciled, once more after."""
+        if self._queue is None or key in self._queued:
+            return
+        if key in self._active:
+            self._dirty.add(key)
+            return
+        self._queued.add(key)
+        self._queue.put_nowait(key)
+
+    def _enqueue_later(self, key: str, delay: float) -> None:
+        assert self._loop is not None
+        self._loop.call_later(delay, self.enqueue, key)
+
+    async def _worker(self) -> None:
+        assert self._queue is not None
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            body = self.bodies.get(key)
+            if body is None:
+                continue
+            self._active.add(key)
+            try:
+                out = await asyncio.to_thread(self.reconciler.reconcile, body)
+                self.num_reconciles += 1
+                self.failures.pop(key, None)
+                if out.body is not None and _rv(out.body) > _rv(self.bodies.get(key)) and key in self.bodies:
+                    self.bodies[key] = _plain(out.body)
+            except Exception as e:  # noqa: BLE001 - logged, retried with backoff
+                n = self.failures[key] = self.failures.get(key, 0) + 1
+                delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** (n - 1))
+                delay *= 1 + random.random() * 0.1
+                level = logging.WARNING if isinstance(e, ApiError) else logging.ERROR
+                log.log(level, "reconcile %s failed (%d), retry in %.1fs: %s", key, n, delay, e,
+                        exc_info=not isinstance(e, ApiError))
+                self._enqueue_later(key, delay)
+            finally:
+                self._active.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.enqueue(key)
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resync_seconds)
+            for key in list(self.bodies):
+                self.enqueue(key)
+
+    async def _autoscale(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.autoscale_seconds)
+            for key, body in list(self.bodies.items()):
+                spec = body.get("spec") or {}
+                scaling = b.autoscaling(spec)
+                if scaling["mode"] != "builtin" or spec.get("suspend"):
+                    self.autoscaler.forget(key)
+                    continue
+                try:
+                    changed = await asyncio.to_thread(self._scrape_one, key, body, scaling)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("autoscaler scrape of %s failed: %s", key, e)
+                    continue
+                if changed:
+                    self.enqueue(key)
+
+    def _scrape_one(self, key: str, body: Mapping[str, Any], scaling: Mapping[str, Any]) -> bool:
+        meta = body["metadata"]
+        owner = {"name": meta["name"], "namespace": meta["namespace"]}
+        dep = self.kube.get("apps/v1", "Deployment", meta["namespace"], b.deployment_name(owner))
+        if dep is None:
+            return False
+        current = int((dep.get("spec") or {}).get("replicas") or 0)
+        pods = self.kube.list("v1", "Pod", meta["namespace"], label_selector=b.selector_string(owner))
+        ready = [p for p in pods if _pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
+        return self.autoscaler.observe(key, ready, current, scaling, now_rfc3339())
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start workers and loops on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        for key in self.bodies:
+            self.enqueue(key)
+        self._tasks = [asyncio.create_task(self._worker(), name=f"kiln-worker-{i}")
+                       for i in range(self.config.workers)]
+        self._tasks.append(asyncio.create_task(self._resync(), name="kiln-resync"))
+        self._tasks.append(asyncio.create_task(self._autoscale(), name="kiln-autoscale"))
+
+    async def stop(self) -> None:
+        """Cancel the loops and wait for them."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def idle(self) -> bool:
+        """True when nothing is queued or running (tests and benchmarks wait for this)."""
+        return not self._queued and not self._active and not self._dirty
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    for cd in (pod.get("status") or {}).get("conditions") or []:
+        if cd.get("type") == "Ready":
+            return cd.get("status") == "True"
+    return False
+
+
+def _plain(body: Mapping[str, Any]) -> dict:
+    """A plain-dict copy of a kopf body (kopf passes live views)."""
+    meta = body.get("metadata") or {}
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+            "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation",
+                                                   "resourceVersion", "deletionTimestamp")},
+            "spec": _copy(body.get("spec") or {}), "status": _copy(body.get("status") or {})}
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_copy(v) for v in x]
+    return x

@@ -1,0 +1,44 @@
+"""Chooses the attention implementation per device: Triton kernels from ``kiln.kernels`` on
+CUDA, the torch gather + SDPA path on CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import torch_backend
+from .metadata import AttentionMetadata
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    try:
+        import kiln.kernels as k  # noqa: PLC0415
+    except Exception:  # pragma: no cover
+        return None
+    return k if hasattr(k, "paged_attention") and hasattr(k, "reshape_and_cache") else None
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Store [T, Hkv, D] K/V rows at ``slot_mapping`` (int64 [T], -1 = skip)."""
+    k = _kernels() if key.is_cuda else None
+    if k is not None:
+        k.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    if k_scale is not None:
+        key = key.float() / k_scale
+        value = value.float() / v_scale
+    torch_backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
+    """Causal attention over the paged cache; see ``torch_backend.paged_attention``."""
+    k = _kernels() if q.is_cuda else None
+    if k is not None:
+        return k.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                 scale, k_scale, v_scale)
+    if k_scale is not None:  # fp8 cache on CPU: dequantize the gathered values
+        k_cache = k_cache.to(q.dtype) * k_scale
+        v_cache = v_cache.to(q.dtype) * v_scale
+    return torch_backend.paged_attention(q, k_cache, v_cache, meta, scale)

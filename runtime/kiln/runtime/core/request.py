@@ -1,0 +1,95 @@
+"""One record per request as the scheduler sees it (nano-vllm's ``Sequence``, vLLM V1's
+``Request``).  Plain Python: no torch import."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request.  Order means something: every status greater than
+    ``PREEMPTED`` is finished (vLLM V1 uses the same trick)."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context length reached
+    FINISHED_ABORTED = 5  # client went away or the request was cancelled
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's ``finish_reason`` for a finished status, else None."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the scheduler and KV cache manager see it.
+
+    Token accounting (all counts in tokens):
+      * ``all_token_ids`` = prompt + generated tokens so far.
+      * ``num_computed_tokens``: leading tokens of ``all_token_ids`` whose K/V are in the
+        KV cache (including tokens found through the prefix cache).  A request needs a
+        new token sampled when, after a step, ``num_computed_tokens == num_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Upper bound on generated tokens (already clipped to the model's context length).
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Number of tokens found in the prefix cache at the last admission (for metrics).
+    num_cached_tokens: int = 0
+    # Number of times this request was preempted (recompute).
+    num_preemptions: int = 0
+    # Monotonic time of the first scheduling (arrival -> this is the queue time); None
+    # while still queued for the first time.
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Largest length this request can reach (prompt + max_tokens)."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)

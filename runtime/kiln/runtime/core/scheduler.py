@@ -1,0 +1,304 @@
+"""In-flight (continuous) batching scheduler with chunked prefill and preemption.
+
+The top layer (**Scheduler** -> KVCacheManager -> BlockPool), shaped after vLLM V1's
+``vllm/v1/core/sched/scheduler.py``: one token budget per step, no separate prefill and
+decode phases.  Each step:
+
+  1. Running requests, oldest first, get ``min(tokens left to compute, budget left)``
+     tokens: 1 for a decode, a chunk for a prefill still in progress.  When the KV pool
+     cannot hold them, the *newest* running request is preempted (recompute: its blocks
+     are freed and it goes back to the front of the waiting queue, keeping its output
+     tokens) and the allocation is retried (``max_utilization``).
+  2. If nothing was preempted, waiting requests are admitted first come first served
+     while ``max_num_seqs`` and the budget allow, starting from their cached prefix
+     (prefix caching).  The queue head blocks those behind it (no starvation).
+
+Policies (TensorRT-LLM's capacity scheduler): ``max_utilization`` admits whenever this
+step's blocks fit; ``guaranteed_no_evict`` admits only when the request's whole future
+(prompt + max_tokens) fits beside the future needs of every running request, so running
+requests never need preemption.
+
+Stop conditions are not decided here: after ``update_from_output`` the engine calls
+``finish_request``.  Plain Python, no torch import.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from .config import SchedulerConfig
+from .kv_cache_manager import KVCacheManager, cdiv
+from .request import Request, RequestStatus
+from .sched_output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes.
+
+    Sources: vLLM V1 ``Scheduler`` (token budget, ``allocate_slots`` or preempt-newest
+    loop), nano-vllm ``Scheduler`` (waiting/running deques, preempt to the front),
+    TensorRT-LLM (``MAX_UTILIZATION`` / ``GUARANTEED_NO_EVICT``).
+
+    Usage per step: ``out = schedule()``; run the model on ``out.scheduled``;
+    ``update_from_output(out, {request_id: sampled_token})``; then ``finish_request`` for
+    requests that hit a stop condition.  Call ``update_from_output`` before the next
+    ``schedule``.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        """Create the scheduler and its :class:`KVCacheManager` (``kv_cache_manager``)."""
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        # Unfinished requests by id (waiting, preempted or running).
+        self.requests: dict[str, Request] = {}
+        # Queue of requests to admit; preempted requests are put at the front.
+        self.waiting: deque[Request] = deque()
+        # Running requests in admission order (oldest first; the newest is preempted first).
+        self.running: list[Request] = []
+        self._num_preemptions_total = 0
+        if config.kv_pool_tokens < config.max_model_len:
+            logger.warning(
+                "KV pool holds %d tokens (%d blocks of %d) < max_model_len %d: requests whose prompt + "
+                "max_tokens exceed the pool are rejected by add_request",
+                config.kv_pool_tokens, config.num_kv_blocks, config.block_size, config.max_model_len,
+            )
+
+    # ---- counts ---------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks and being stepped (sequences)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission, including preempted ones (sequences)."""
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction (0..1) of KV blocks referenced by requests."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_preemptions_total(self) -> int:
+        """Preemptions (recompute) since start."""
+        return self._num_preemptions_total
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def max_blocks_needed(self, request: Request) -> int:
+        """Blocks the request holds at most over its life (blocks): KV of prompt +
+        max_tokens - 1 tokens (the last sampled token is never computed)."""
+        max_kv_tokens = max(request.max_num_tokens - 1, request.num_tokens)
+        return cdiv(max_kv_tokens, self.config.block_size)
+
+    # ---- requests in and out --------------------------------------------------------
+    def check_request(self, request: Request) -> None:
+        """Raise if ``add_request`` would reject this request; queue nothing.
+
+        Raises:
+            ValueError: empty prompt; ``max_tokens < 1``; prompt + max_tokens longer than
+                ``max_model_len``; or a request whose whole future cannot fit the KV pool
+                even alone ("needs N KV blocks ..., pool has M blocks") — it would never
+                finish.
+        """
+        cfg = self.config
+        rid = request.request_id
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {rid}: max_tokens must be >= 1, got {request.max_tokens}")
+        if request.max_num_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {request.max_num_tokens} tokens exceeds max_model_len "
+                f"{cfg.max_model_len}"
+            )
+        need = self.max_blocks_needed(request)
+        if need > cfg.num_kv_blocks:
+            raise ValueError(
+                f"request {rid}: needs {need} KV blocks of {cfg.block_size} tokens (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens), but the pool "
+                f"has {cfg.num_kv_blocks} blocks ({cfg.kv_pool_tokens} tokens)"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING, at the back of the queue).
+
+        Raises:
+            ValueError: a duplicate request id, or anything ``check_request`` raises.
+        """
+        self.check_request(request)
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request {rid}: a request with this id is already queued or running")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a waiting or running request: remove it from its queue, free its blocks,
+        set its status.  Unknown or already finished ids are ignored (idempotent).
+
+        Raises:
+            ValueError: if ``status`` is not a finished status.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request: {status!r} is not a finished status")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = status
+
+    # ---- the step -------------------------------------------------------------------
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free all blocks, forget computed tokens (outputs are
+        kept), put the request at the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    def _future_blocks_of_running(self) -> int:
+        """Blocks the running requests may still allocate before they finish (blocks)."""
+        kv = self.kv_cache_manager
+        total = 0
+        for req in self.running:
+            total += max(0, self.max_blocks_needed(req) - kv.num_blocks_held(req.request_id))
+        return total
+
+    def _fits_whole_future(self, request: Request, computed_blocks: list[int]) -> bool:
+        """``guaranteed_no_evict`` admission test: after taking the cache hits, the free
+        pool covers the rest of this request's life plus the future of every running
+        request."""
+        kv = self.kv_cache_manager
+        num_hit_evictable = sum(1 for b in computed_blocks if kv.pool.is_evictable(b))
+        need = self.max_blocks_needed(request) - len(computed_blocks)
+        return kv.num_free_blocks - num_hit_evictable >= need + self._future_blocks_of_running()
+
+    def _record(self, out: SchedulerOutput, sr: ScheduledRequest) -> None:
+        out.scheduled.append(sr)
+        out.num_batched_tokens += sr.num_new_tokens
+        if sr.is_decode:
+            out.num_decode_tokens += sr.num_new_tokens
+        else:
+            out.num_prefill_tokens += sr.num_new_tokens
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step.
+
+        Returns:
+            A :class:`SchedulerOutput`; ``num_batched_tokens <= max_num_batched_tokens`` and
+            ``len(scheduled) <= max_num_seqs`` always hold.  It may be empty (nothing to run
+            or nothing fits this step).
+        """
+        cfg = self.config
+        kv = self.kv_cache_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (the engine did not finish it yet)
+                i += 1
+                continue
+            blocked = False
+            while kv.allocate_slots(req, num_new) is None:
+                if cfg.policy == "guaranteed_no_evict":
+                    logger.warning(
+                        "guaranteed_no_evict: request %s could not grow (%d free blocks); preempting",
+                        req.request_id,
+                        kv.num_free_blocks,
+                    )
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    blocked = True
+                    break
+            if blocked:
+                break
+            table = kv.get_block_ids(req.request_id)
+            self._record(out, ScheduledRequest(req, req.num_computed_tokens, num_new, table))
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests FCFS (not in a step that had to preempt).
+        while (
+            not out.preempted_request_ids
+            and self.waiting
+            and budget > 0
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            computed_blocks, num_cached = kv.get_computed_blocks(req)
+            if cfg.policy == "guaranteed_no_evict" and not self._fits_whole_future(req, computed_blocks):
+                break
+            num_new = min(req.num_tokens - num_cached, budget)
+            if kv.allocate_slots(req, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            out.new_request_ids.append(req.request_id)
+            table = kv.get_block_ids(req.request_id)
+            self._record(out, ScheduledRequest(req, num_cached, num_new, table, num_cached_tokens=num_cached))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+        """Apply a finished step: advance ``num_computed_tokens``, register newly full
+        blocks in the prefix cache, append the sampled token where ``needs_sample``.
+
+        Requests finished (e.g. aborted) since ``schedule`` are skipped.
+
+        Raises:
+            KeyError: if a request that needs a sample has none in ``sampled_token_ids``.
+        """
+        kv = self.kv_cache_manager
+        for sr in output.scheduled:
+            req = sr.request
+            if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
+                continue
+            if req.num_computed_tokens != sr.num_computed_tokens:  # stale output; ignore
+                continue
+            needs_sample = sr.needs_sample
+            req.num_computed_tokens += sr.num_new_tokens
+            kv.cache_blocks(req, req.num_computed_tokens)
+            if needs_sample:
+                try:
+                    token = sampled_token_ids[req.request_id]
+                except KeyError:
+                    raise KeyError(
+                        f"update_from_output: request {req.request_id} finished its tokens this step "
+                        "but no sampled token was given"
+                    ) from None
+                req.append_output_token(token)

@@ -1,0 +1,333 @@
+"""The engine loop: ``step()`` = scheduler.schedule() -> model runner -> scheduler update ->
+stop checks -> detokenization (nano-vllm's ``LLMEngine.step``).  Only the scheduler touches
+the KV cache manager.  A request with ``n > 1`` fans out into ``n`` child sequences that
+share the prompt's KV blocks through the prefix cache."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from . import loader
+from .config import EngineArgs
+from .core.config import SchedulerConfig
+from .core.request import Request, RequestStatus
+from .core.scheduler import Scheduler
+from .detokenizer import IncrementalDetokenizer
+from .model.config import ModelConfig
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from .sampler import SamplingRow
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (maps to HTTP 400); the message carries the numbers."""
+
+
+class StatLogger(Protocol):
+    """Receives per-request timings (seconds) and counts; the server's Prometheus metrics
+    implement it."""
+
+    def on_scheduled(self, queue_seconds: float) -> None: ...
+    def on_first_token(self, ttft_seconds: float) -> None: ...
+    def on_token(self, itl_seconds: float) -> None: ...
+    def on_finish(self, e2e_seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
+                  finish_reason: str) -> None: ...
+    def on_step(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+
+@dataclass
+class _Child:
+    """One of the ``n`` completions of a request."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    last_token_time: float = 0.0
+    first_token_time: float | None = None
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    scheduled_logged: bool = False
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    children: list[_Child]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler and model runner.
+
+    Args:
+        args: engine settings.
+        stat_logger: optional metrics sink.
+    Raises:
+        loader.ModelSourceError, UnsupportedModelError, ValueError: bad model or settings.
+    """
+
+    def __init__(self, args: EngineArgs, stat_logger: StatLogger | None = None):
+        self.args = args
+        self.stat_logger = stat_logger
+        t0 = time.perf_counter()
+        if args.engine:
+            from .engine_format import open_engine  # noqa: PLC0415  (kiln build's output)
+
+            eng = open_engine(args.engine)
+            self.model_config: ModelConfig = eng.model_config
+            self.tokenizer = eng.load_tokenizer()
+            self.model_ref = eng.model_ref
+            self.runner = ModelRunner(self.model_config, args)
+            eng.load_into(self.runner)
+        else:
+            src = loader.materialize_gguf(loader.resolve_source(args.model))
+            self.model_ref = src.ref
+            self.model_config = loader.load_model_config(src)
+            self.tokenizer = loader.load_tokenizer(src)
+            self.runner = ModelRunner(self.model_config, args)
+            if args.load_format == "dummy":
+                self.runner.init_dummy_weights(args.seed)
+            else:
+                self.runner.load_weights(loader.iter_weights(src))
+        cfg = self.model_config
+        self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096),
+                                 cfg.max_position_embeddings)
+        num_blocks = self.runner.profile_num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
+            max_model_len=self.max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=num_blocks,
+            policy=args.scheduler_policy,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ))
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        self.served_model_name = args.served_model_name or self.model_ref
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        log.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+                 time.perf_counter() - t0, self.model_ref, self.runner.device, self.runner.dtype,
+                 num_blocks, args.block_size, self.max_model_len)
+
+    # -- requests ------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)``; strings are encoded as ``tokenizer(prompt)`` would."""
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat, rendered with the tokenizer's chat template.
+
+        Raises:
+            InvalidRequestError: malformed messages or no chat template.
+        """
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError(f"model {self.served_model_name} has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:
+            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model's limits; returns the effective max_tokens.
+
+        Raises:
+            InvalidRequestError: empty prompt, prompt or prompt+max_tokens beyond the
+                context, token ids outside the vocabulary.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{n} tokens (at least one token must remain for the completion)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
+                f"and max_tokens is {max_tokens}, {n + max_tokens} in total")
+        need = -(-(n + 1) // self.args.block_size)
+        if need > self.runner.num_kv_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {need} KV blocks but the cache has only {self.runner.num_kv_blocks}")
+        return max_tokens
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id.  Raises InvalidRequestError (nothing queued)."""
+        request_id = request_id or self.new_request_id()
+        if request_id in self._parents:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self.validate(ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None and not params.greedy:
+                gen = torch.Generator(device=self.runner.device)
+                gen.manual_seed((params.seed + i * 0x9E3779B1) % (1 << 63))
+            req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), max_tokens=max_tokens,
+                          arrival_time=arrival)
+            children.append(_Child(
+                index=i, request=req,
+                detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop),
+                generator=gen, logprobs=[] if params.logprobs is not None else None,
+            ))
+        parent = _Parent(request_id, text, list(ids), params, arrival, children)
+        for c in children:
+            self.scheduler.add_request(c.request)
+        self._parents[request_id] = parent
+        for c in children:
+            self._child_of[c.request.request_id] = (parent, c)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (client gone): frees its blocks; unknown or finished ids are ignored."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for c in parent.children:
+            self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)
+            self._child_of.pop(c.request.request_id, None)
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and return outputs of requests that progressed."""
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        rows: dict[str, SamplingRow] = {}
+        for sr in out.scheduled:
+            parent, child = self._child_of[sr.request.request_id]
+            if not child.scheduled_logged:
+                child.scheduled_logged = True
+                if self.stat_logger and child.index == 0:
+                    self.stat_logger.on_scheduled(now - parent.arrival_time)
+            if sr.needs_sample:
+                rows[sr.request.request_id] = SamplingRow(parent.params, parent.prompt_token_ids,
+                                                          sr.request.output_token_ids, child.generator)
+        if not out.scheduled:
+            return []
+        res = self.runner.execute(out, rows)
+        self.scheduler.update_from_output(out, res.sampled)
+        self.num_steps += 1
+        now = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        num_gen = 0
+        for rid, tok in res.sampled.items():
+            parent, child = self._child_of[rid]
+            num_gen += 1
+            self._on_token(parent, child, tok, res.logprobs.get(rid), now)
+            touched[parent.request_id] = parent
+        if self.stat_logger:
+            self.stat_logger.on_step(out.num_batched_tokens - num_gen if hasattr(out, "num_batched_tokens") else 0,
+                                     num_gen)
+        outputs = [self._make_output(p) for p in touched.values()]
+        for p in touched.values():
+            if p.finished:
+                self._retire(p, now)
+        return outputs
+
+    def _on_token(self, parent: _Parent, child: _Child, tok: int, lp, now: float) -> None:
+        params = parent.params
+        req = child.request
+        if child.first_token_time is None:
+            child.first_token_time = now
+            if self.stat_logger and child.index == 0:
+                self.stat_logger.on_first_token(now - parent.arrival_time)
+        elif self.stat_logger and child.index == 0:
+            self.stat_logger.on_token(now - child.last_token_time)
+        child.last_token_time = now
+        child.pending_tokens.append(tok)
+        if lp is not None and child.logprobs is not None:
+            sampled_lp, top = lp
+            tl = TokenLogprobs(tok, sampled_lp, [Logprob(t, v, self.tokenizer.decode([t])) for t, v in top])
+            child.logprobs.append(tl)
+            child.pending_logprobs.append(tl)
+        status = None
+        if not params.ignore_eos and tok in self.eos_token_ids:
+            status, child.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif tok in params.stop_token_ids:
+            status, child.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        else:
+            matched = child.detok.add_token(tok)
+            if matched is not None:
+                status, child.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if status == RequestStatus.FINISHED_LENGTH or child.stop_reason is None or isinstance(child.stop_reason, int):
+                child.detok.flush()
+            child.finish_reason = status.finish_reason
+            self.scheduler.finish_request(req.request_id, status)
+
+    def _make_output(self, p: _Parent) -> RequestOutput:
+        comps = []
+        for c in p.children:
+            delta_ids, c.pending_tokens = c.pending_tokens, []
+            delta_lps, c.pending_logprobs = c.pending_logprobs, []
+            comps.append(CompletionOutput(
+                index=c.index, text=c.detok.text, token_ids=list(c.request.output_token_ids),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, logprobs=c.logprobs,
+                delta_text=c.detok.take_delta(c.finish_reason is not None),
+                delta_token_ids=delta_ids, delta_logprobs=delta_lps,
+            ))
+        cached = max((c.request.num_cached_tokens for c in p.children), default=0)
+        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, comps, finished=p.finished,
+                             num_cached_tokens=cached)
+
+    def _retire(self, p: _Parent, now: float) -> None:
+        self._parents.pop(p.request_id, None)
+        for c in p.children:
+            self._child_of.pop(c.request.request_id, None)
+        if self.stat_logger:
+            c0 = p.children[0]
+            self.stat_logger.on_finish(now - p.arrival_time, len(p.prompt_token_ids),
+                                       sum(c.request.num_output_tokens for c in p.children), c0.finish_reason or "stop")

@@ -1,0 +1,474 @@
+"""The engine spec: what an engine is built from, and its content address (the engine hash).
+
+Torch-free and dependency-free on purpose: ``kiln build`` (runtime image) and the operator
+(``kiln.operator``, slim image without torch) both import this module, so the operator knows
+an engine's path before it is built and both sides always agree on it.
+
+The public API::
+
+    spec = BuildSpec.from_dict(ie_spec)          # an InferenceEngine ``spec`` (``model`` + ``build``)
+    spec = BuildSpec.from_cli(model="builtin:smollm2-135m-instruct", quantization="int4-awq")
+    normalize_build_spec(ie_spec) -> dict        # canonical, defaults filled, irrelevant knobs dropped
+    engine_hash(ie_spec_or_BuildSpec) -> str     # 16 hex chars of sha256 over canonical JSON
+    engine_dir(cache_root, hash) -> str          # "<cache_root>/<hash>"
+    is_engine_complete(path) -> bool             # manifest.json of this format + completion marker
+
+Equivalent spellings give the same hash: an omitted default and the default written out, key
+order, ``"0.5"`` / ``0.5`` / ``"500m"`` for decimal quantities, ``int4_awq`` / ``INT4-AWQ`` for
+method names, and settings that a method ignores (``groupSize`` with ``fp8``) are dropped.
+
+Also here: the shared constants of the engine layout on disk, the HTTP port and the metric
+names, so the serving side and the operator never drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Mapping
+
+__all__ = [
+    "ENGINE_FORMAT_VERSION",
+    "MANIFEST_FILENAME",
+    "COMPLETE_MARKER",
+    "HTTP_PORT",
+    "DEFAULT_CACHE_ROOT",
+    "METRIC_PREFIX",
+    "METRIC_REQUEST_QUEUE_TIME",
+    "METRIC_NAMES",
+    "QUANTIZATION_METHODS",
+    "CALIBRATING_METHODS",
+    "GROUP_SIZES",
+    "KV_CACHE_DTYPES",
+    "BUILD_DEFAULTS",
+    "EngineSpecError",
+    "ModelSource",
+    "BuildSpec",
+    "parse_quantity",
+    "canonical_json",
+    "normalize_build_spec",
+    "engine_hash",
+    "engine_dir",
+    "is_engine_complete",
+]
+
+# --- engine layout on disk ---------------------------------------------------------------
+ENGINE_FORMAT_VERSION = 1  # bump when the on-disk layout changes: every engine hash changes
+MANIFEST_FILENAME = "manifest.json"  # format version, engine hash, model config, quantization...
+COMPLETE_MARKER = ".kiln-complete"  # written last, inside the temp dir, before the atomic rename
+DEFAULT_CACHE_ROOT = "/engines"  # where the operator mounts the engine cache volume
+HASH_LENGTH = 16  # hex chars of sha256 kept in paths, names and labels (64 bits)
+
+# --- serving ------------------------------------------------------------------------------
+HTTP_PORT = 8000  # `kiln serve` default port; the Service port the operator creates
+HEALTH_PATH = "/health"  # process alive (liveness)
+READY_PATH = "/ready"  # engine loaded and warmed (readiness, startup)
+METRICS_PATH = "/metrics"  # Prometheus text format
+
+METRIC_PREFIX = "kiln_"
+METRIC_REQUEST_QUEUE_TIME = "kiln_request_queue_time_seconds"  # histogram; the autoscaling signal
+METRIC_NAMES = (
+    METRIC_REQUEST_QUEUE_TIME,
+    "kiln_time_to_first_token_seconds",
+    "kiln_time_per_output_token_seconds",
+    "kiln_e2e_request_latency_seconds",
+    "kiln_num_requests_running",
+    "kiln_num_requests_waiting",
+    "kiln_kv_cache_usage_ratio",
+    "kiln_prompt_tokens_total",
+    "kiln_generation_tokens_total",
+    "kiln_num_preemptions_total",
+    "kiln_prefix_cache_queries_total",
+    "kiln_prefix_cache_hits_total",
+    "kiln_request_success_total",
+)
+
+# --- build knobs --------------------------------------------------------------------------
+QUANTIZATION_METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
+CALIBRATING_METHODS = ("int8-smoothquant", "int4-awq", "int4-gptq")  # need calibration text
+GROUPED_METHODS = ("int4-awq", "int4-gptq")  # take a group size
+GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "fp8")
+MODEL_SOURCE_KINDS = ("builtin", "path", "pvc", "huggingFace")
+
+# Defaults, in the CRD's spelling (camelCase).  The CRD's `default:` values must equal these
+# (tests/operator/test_crd.py checks it), and `kiln build`'s flags should default to them.
+BUILD_DEFAULTS: dict[str, Any] = {
+    "quantization": "none",
+    "groupSize": 128,
+    "smoothquantAlpha": "0.5",
+    "kvCacheDtype": "auto",
+    "calibrationSamples": 128,
+    "maxSeqLen": 4096,
+    "maxBatchSize": 64,
+    "maxNumTokens": 8192,
+}
+
+_QUANTITY_RE = re.compile(r"^([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+_SUFFIX = {
+    None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6),
+    "G": Decimal(10**9), "T": Decimal(10**12), "Ki": Decimal(2**10), "Mi": Decimal(2**20),
+    "Gi": Decimal(2**30), "Ti": Decimal(2**40),
+}
+
+
+class EngineSpecError(ValueError):
+    """A build spec that cannot be normalized: unknown method, bad group size, no model
+    source or more than one, a malformed quantity.  The message names the field."""
+
+
+def parse_quantity(value: Any, field_name: str = "value") -> Decimal:
+    """Parse a number or a Kubernetes-style quantity (``0.5``, ``"0.5"``, ``"500m"``, ``"1Ki"``).
+
+    Returns a ``Decimal``.  Raises ``EngineSpecError`` for booleans, malformed strings and
+    non-finite values.
+    """
+    if isinstance(value, bool):
+        raise EngineSpecError(f"{field_name}: expected a number or quantity, got a boolean")
+    if isinstance(value, int):
+        return Decimal(value)
+    if isinstance(value, float):
+        d = Decimal(repr(value))
+    elif isinstance(value, (str, Decimal)):
+        if isinstance(value, Decimal):
+            d = value
+        else:
+            m = _QUANTITY_RE.match(value.strip())
+            if not m:
+                raise EngineSpecError(f"{field_name}: {value!r} is not a number or quantity")
+            try:
+                d = Decimal(m.group(1)) * _SUFFIX[m.group(2)]
+            except InvalidOperation as e:  # pragma: no cover - regex already filters
+                raise EngineSpecError(f"{field_name}: {value!r} is not a number") from e
+    else:
+        raise EngineSpecError(f"{field_name}: expected a number or quantity, got {type(value).__name__}")
+    if not d.is_finite():
+        raise EngineSpecError(f"{field_name}: {value!r} is not finite")
+    return d
+
+
+def _decimal_str(d: Decimal) -> str:
+    """Canonical text of a decimal: no exponent, no trailing zeros (``0.50`` -> ``"0.5"``)."""
+    s = format(d.normalize(), "f")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+def _int(value: Any, field_name: str, minimum: int = 1) -> int:
+    d = parse_quantity(value, field_name)
+    if d != d.to_integral_value():
+        raise EngineSpecError(f"{field_name}: {value!r} is not an integer")
+    i = int(d)
+    if i < minimum:
+        raise EngineSpecError(f"{field_name}: {i} is below the minimum {minimum}")
+    return i
+
+
+def _method(value: Any) -> str:
+    m = str(value if value is not None else "none").strip().lower().replace("_", "-")
+    if m in ("", "bf16", "bfloat16", "fp16", "float16"):
+        m = "none"
+    if m not in QUANTIZATION_METHODS:
+        raise EngineSpecError(
+            f"build.quantization: unknown method {value!r}; one of {', '.join(QUANTIZATION_METHODS)}")
+    return m
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from; the part of the hash that names the model.
+
+    Fields:
+        kind: ``builtin`` (a model shipped with Kiln), ``path`` (a local folder or ``.gguf``
+            file, as given to ``kiln build --model``), ``pvc`` (a path on a PersistentVolumeClaim)
+            or ``huggingFace`` (a hub repository).
+        name: builtin model name (``smollm2-135m-instruct``), kind ``builtin`` only.
+        path: file or folder path: absolute for ``path``, relative to the claim for ``pvc``.
+        claim_name: the claim, kind ``pvc`` only.
+        repo: ``org/name``, kind ``huggingFace`` only.
+        revision: commit or tag when known (``huggingFace``); part of the hash.
+        checksum: ``sha256:<hex>`` of the source when known; part of the hash.
+    """
+
+    kind: str
+    name: str | None = None
+    path: str | None = None
+    claim_name: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    checksum: str | None = None
+
+    @classmethod
+    def from_string(cls, src: str, checksum: str | None = None) -> "ModelSource":
+        """Parse ``kiln build --model SRC``: ``builtin:NAME``, ``pvc://CLAIM/PATH``,
+        ``hf://ORG/NAME[@REVISION]`` or a filesystem path (kept as written, normalized)."""
+        src = src.strip()
+        if src.startswith("builtin:"):
+            return cls(kind="builtin", name=src[len("builtin:"):].strip().lower(), checksum=checksum)
+        if src.startswith("pvc://"):
+            claim, _, path = src[len("pvc://"):].partition("/")
+            return cls(kind="pvc", claim_name=claim, path=path, checksum=checksum)
+        if src.startswith("hf://"):
+            repo, _, rev = src[len("hf://"):].partition("@")
+            return cls(kind="huggingFace", repo=repo, revision=rev or None, checksum=checksum)
+        if not src:
+            raise EngineSpecError("model: empty source")
+        return cls(kind="path", path=os.path.normpath(src), checksum=checksum)
+
+    @classmethod
+    def from_dict(cls, model: Mapping[str, Any]) -> "ModelSource":
+        """Parse an InferenceEngine ``spec.model``: exactly one of ``builtin``, ``pvc``,
+        ``huggingFace``, ``path`` (plus optional ``checksum``).  Raises ``EngineSpecError``."""
+        if not isinstance(model, Mapping):
+            raise EngineSpecError("model: expected an object")
+        present = [k for k in MODEL_SOURCE_KINDS if model.get(k) not in (None, "", {})]
+        if len(present) != 1:
+            raise EngineSpecError(
+                f"model: exactly one source of {', '.join(MODEL_SOURCE_KINDS)} is required, got "
+                f"{', '.join(present) or 'none'}")
+        kind = present[0]
+        checksum = model.get("checksum") or None
+        v = model[kind]
+        if kind == "builtin":
+            return cls(kind=kind, name=str(v).strip().lower(), checksum=checksum)
+        if kind == "path":
+            return cls(kind=kind, path=os.path.normpath(str(v)), checksum=checksum)
+        if kind == "pvc":
+            if not isinstance(v, Mapping) or not v.get("claimName"):
+                raise EngineSpecError("model.pvc: claimName is required")
+            path = os.path.normpath(str(v.get("path") or ".")).lstrip("/") or "."
+            return cls(kind=kind, claim_name=str(v["claimName"]), path=path, checksum=checksum)
+        if not isinstance(v, Mapping) or not v.get("repo"):
+            raise EngineSpecError("model.huggingFace: repo is required")
+        return cls(kind=kind, repo=str(v["repo"]), revision=v.get("revision") or None,
+                   checksum=checksum)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical (hashed) form: only the fields that are set, snake_case keys."""
+        d = {"kind": self.kind, "name": self.name, "path": self.path,
+             "claim_name": self.claim_name, "repo": self.repo, "revision": self.revision,
+             "checksum": self.checksum.lower() if self.checksum else None}
+        return {k: v for k, v in d.items() if v is not None}
+
+    def to_cli(self, models_mount: str = "/models") -> str:
+        """The ``--model SRC`` argument for ``kiln build``/``kiln serve``.  A ``pvc`` source is
+        read from where the claim is mounted (``models_mount``)."""
+        if self.kind == "builtin":
+            return f"builtin:{self.name}"
+        if self.kind == "path":
+            return str(self.path)
+        if self.kind == "pvc":
+            return os.path.join(models_mount, self.path or ".")
+        return f"hf://{self.repo}" + (f"@{self.revision}" if self.revision else "")
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """A normalized build spec: every field that changes the bytes of an engine, nothing else.
+
+    Fields:
+        source: the model source.
+        quantization: one of ``QUANTIZATION_METHODS``.
+        group_size: int4 group size in columns (32, 64 or 128); only for ``int4-*``.
+        smoothquant_alpha: SmoothQuant migration strength as a canonical decimal string.
+        kv_cache_dtype: ``auto`` (the model dtype) or ``fp8`` (calibrated scales).
+        calibration_samples: number of calibration text samples (calibrating methods only).
+        max_seq_len: longest sequence in tokens the engine is built for.
+        max_batch_size: most sequences in one batch.
+        max_num_tokens: most tokens in one forward pass (prefill chunk budget).
+        format_version: ``ENGINE_FORMAT_VERSION``.
+    """
+
+    source: ModelSource
+    quantization: str = BUILD_DEFAULTS["quantization"]
+    group_size: int = BUILD_DEFAULTS["groupSize"]
+    smoothquant_alpha: str = BUILD_DEFAULTS["smoothquantAlpha"]
+    kv_cache_dtype: str = BUILD_DEFAULTS["kvCacheDtype"]
+    calibration_samples: int = BUILD_DEFAULTS["calibrationSamples"]
+    max_seq_len: int = BUILD_DEFAULTS["maxSeqLen"]
+    max_batch_size: int = BUILD_DEFAULTS["maxBatchSize"]
+    max_num_tokens: int = BUILD_DEFAULTS["maxNumTokens"]
+    format_version: int = field(default=ENGINE_FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        method = _method(self.quantization)
+        object.__setattr__(self, "quantization", method)
+        gs = _int(self.group_size, "build.groupSize")
+        if method in GROUPED_METHODS and gs not in GROUP_SIZES:
+            raise EngineSpecError(f"build.groupSize: {gs} is not one of {GROUP_SIZES}")
+        object.__setattr__(self, "group_size", gs)
+        alpha = parse_quantity(self.smoothquant_alpha, "build.smoothquantAlpha")
+        if not (Decimal(0) <= alpha <= Decimal(1)):
+            raise EngineSpecError(f"build.smoothquantAlpha: {self.smoothquant_alpha!r} is not in [0, 1]")
+        object.__setattr__(self, "smoothquant_alpha", _decimal_str(alpha))
+        kv = str(self.kv_cache_dtype or "auto").strip().lower()
+        if kv not in KV_CACHE_DTYPES:
+            raise EngineSpecError(f"build.kvCacheDtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+        object.__setattr__(self, "kv_cache_dtype", kv)
+        for name, fname in (("calibration_samples", "build.calibrationSamples"),
+                            ("max_seq_len", "build.maxSeqLen"),
+                            ("max_batch_size", "build.maxBatchSize"),
+                            ("max_num_tokens", "build.maxNumTokens")):
+            object.__setattr__(self, name, _int(getattr(self, name), fname))
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> "BuildSpec":
+        """From an InferenceEngine ``spec`` (or any mapping with ``model`` and optional
+        ``build`` in the CRD's camelCase).  Missing or ``None`` build fields take
+        ``BUILD_DEFAULTS``; unrelated keys (``runtime``, ``replicas``...) are ignored.
+        Raises ``EngineSpecError``."""
+        if not isinstance(spec, Mapping):
+            raise EngineSpecError("spec: expected an object")
+        build = spec.get("build") or {}
+        if not isinstance(build, Mapping):
+            raise EngineSpecError("build: expected an object")
+
+        def get(key: str) -> Any:
+            v = build.get(key)
+            return BUILD_DEFAULTS[key] if v is None else v
+
+        return cls(
+            source=ModelSource.from_dict(spec.get("model") or {}),
+            quantization=get("quantization"),
+            group_size=get("groupSize"),
+            smoothquant_alpha=get("smoothquantAlpha"),
+            kv_cache_dtype=get("kvCacheDtype"),
+            calibration_samples=get("calibrationSamples"),
+            max_seq_len=get("maxSeqLen"),
+            max_batch_size=get("maxBatchSize"),
+            max_num_tokens=get("maxNumTokens"),
+        )
+
+    @classmethod
+    def from_cli(cls, model: str, *, quantization: str | None = None, group_size: int | None = None,
+                 smoothquant_alpha: Any = None, kv_cache_dtype: str | None = None,
+                 calibration_samples: int | None = None, max_seq_len: int | None = None,
+                 max_batch_size: int | None = None, max_num_tokens: int | None = None,
+                 checksum: str | None = None) -> "BuildSpec":
+        """From ``kiln build`` flags (``None`` means the flag was not given: the default)."""
+        d = BUILD_DEFAULTS
+        return cls(
+            source=ModelSource.from_string(model, checksum=checksum),
+            quantization=d["quantization"] if quantization is None else quantization,
+            group_size=d["groupSize"] if group_size is None else group_size,
+            smoothquant_alpha=d["smoothquantAlpha"] if smoothquant_alpha is None else smoothquant_alpha,
+            kv_cache_dtype=d["kvCacheDtype"] if kv_cache_dtype is None else kv_cache_dtype,
+            calibration_samples=d["calibrationSamples"] if calibration_samples is None else calibration_samples,
+            max_seq_len=d["maxSeqLen"] if max_seq_len is None else max_seq_len,
+            max_batch_size=d["maxBatchSize"] if max_batch_size is None else max_batch_size,
+            max_num_tokens=d["maxNumTokens"] if max_num_tokens is None else max_num_tokens,
+        )
+
+    @property
+    def calibrates(self) -> bool:
+        """True when the build runs calibration (and wants a GPU in a real cluster)."""
+        return self.quantization in CALIBRATING_METHODS or self.kv_cache_dtype == "fp8"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical form that is hashed.  Settings a method ignores are left out, so that
+        writing them or not gives the same hash."""
+        q: dict[str, Any] = {"method": self.quantization}
+        if self.quantization in GROUPED_METHODS:
+            q["group_size"] = self.group_size
+        if self.quantization == "int8-smoothquant":
+            q["alpha"] = self.smoothquant_alpha
+        if self.quantization in CALIBRATING_METHODS:
+            q["calibration_samples"] = self.calibration_samples
+        kv: dict[str, Any] = {"dtype": self.kv_cache_dtype}
+        if self.kv_cache_dtype == "fp8":
+            kv["calibration_samples"] = self.calibration_samples
+        return {
+            "format_version": self.format_version,
+            "source": self.source.to_dict(),
+            "quantization": q,
+            "kv_cache": kv,
+            "limits": {"max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
+                       "max_num_tokens": self.max_num_tokens},
+        }
+
+    def hash(self, length: int = HASH_LENGTH) -> str:
+        """The engine hash: the first ``length`` hex chars of sha256(canonical JSON)."""
+        return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()[:length]
+
+    def to_build_args(self, output: str, models_mount: str = "/models") -> list[str]:
+        """The ``kiln build`` arguments (after ``build``) that build exactly this spec."""
+        args = ["--model", self.source.to_cli(models_mount), "--output", output,
+                "--quantization", self.quantization]
+        if self.quantization in GROUPED_METHODS:
+            args += ["--group-size", str(self.group_size)]
+        if self.quantization == "int8-smoothquant":
+            args += ["--smoothquant-alpha", self.smoothquant_alpha]
+        args += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.calibrates:
+            args += ["--calibration-samples", str(self.calibration_samples)]
+        args += ["--max-seq-len", str(self.max_seq_len), "--max-batch-size", str(self.max_batch_size),
+                 "--max-num-tokens", str(self.max_num_tokens)]
+        return args
+
+
+def canonical_json(obj: Any) -> str:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8 kept.  Floats are refused (decimals
+    are carried as canonical strings) so the text never depends on float printing."""
+
+    def check(o: Any) -> None:
+        if isinstance(o, float):
+            raise EngineSpecError("canonical_json: floats are not allowed; use decimal strings")
+        if isinstance(o, Mapping):
+            for v in o.values():
+                check(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                check(v)
+
+    check(obj)
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def normalize_build_spec(spec: Mapping[str, Any] | BuildSpec) -> dict[str, Any]:
+    """Normalize an InferenceEngine ``spec`` (or a ``BuildSpec``) into the canonical dict that
+    ``engine_hash`` hashes.  Raises ``EngineSpecError``."""
+    bs = spec if isinstance(spec, BuildSpec) else BuildSpec.from_dict(spec)
+    return bs.to_dict()
+
+
+def engine_hash(spec: Mapping[str, Any] | BuildSpec, length: int = HASH_LENGTH) -> str:
+    """The engine hash of a spec: ``length`` hex chars (default 16) of sha256 over the
+    canonical JSON of ``normalize_build_spec(spec)``.  Raises ``EngineSpecError``."""
+    bs = spec if isinstance(spec, BuildSpec) else BuildSpec.from_dict(spec)
+    return bs.hash(length)
+
+
+def engine_dir(cache_root: str, hash_: str) -> str:
+    """Where the engine with this hash lives in an engine cache: ``<cache_root>/<hash>``."""
+    return os.path.join(cache_root, hash_)
+
+
+def read_manifest(path: str) -> dict[str, Any] | None:
+    """The parsed ``manifest.json`` of an engine folder, or None when missing or unreadable."""
+    try:
+        with open(os.path.join(path, MANIFEST_FILENAME), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_engine_complete(path: str, expected_hash: str | None = None) -> bool:
+    """True when ``path`` holds a finished engine of this format: the completion marker
+    exists, ``manifest.json`` parses, its ``format_version`` is ``ENGINE_FORMAT_VERSION`` and,
+    when ``expected_hash`` is given, its ``engine_hash`` starts with it.  Never raises."""
+    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        return False
+    manifest = read_manifest(path)
+    if manifest is None or manifest.get("format_version") != ENGINE_FORMAT_VERSION:
+        return False
+    if expected_hash is not None:
+        got = str(manifest.get("engine_hash", ""))
+        if not (got.startswith(expected_hash) or expected_hash.startswith(got)) or not got:
+            return False
+    return True

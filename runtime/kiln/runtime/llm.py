@@ -1,0 +1,80 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .config import EngineArgs
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model (or a ``kiln build`` engine) and generate in batches.
+
+    Args:
+        model: ``builtin:<name>``, a ``.gguf`` file or a Hugging Face folder (default: the
+            embedded SmolLM2-135M-Instruct).
+        engine: a Kiln engine folder instead of ``model``.
+        **kwargs: any :class:`EngineArgs` field (``max_num_seqs``, ``num_kv_blocks``,
+            ``max_num_batched_tokens``, ``device``, ``dtype``, ...).
+    Raises:
+        ModelSourceError / UnsupportedModelError / ValueError for bad sources or settings.
+    """
+
+    def __init__(self, model: str | None = None, engine: str | None = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineArgs(model=model, engine=engine, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion with in-flight batching.
+
+        Args:
+            prompts: one string, a list of strings, or a list of token-id lists.
+            sampling_params: one for all prompts, or one per prompt (default: greedy? no —
+                SamplingParams() defaults, temperature 1.0, 16 tokens, as in vLLM).
+        Returns:
+            One finished RequestOutput per prompt, in input order.
+        Raises:
+            InvalidRequestError: a prompt the model cannot take (nothing is left queued).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template of the model)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(token_lists, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

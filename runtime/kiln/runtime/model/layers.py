@@ -1,0 +1,251 @@
+"""Layers of Kiln's model code.  Linear layers are shaped for tensor parallelism (Megatron-LM,
+Shoeybi et al., 2019; the layout follows vLLM / nano-vllm): a column-parallel layer shards
+its output features over ``tp_size`` ranks, a row-parallel layer shards its input features
+and all-reduces.  Each parameter carries a ``weight_loader(param, loaded_weight, shard_id)``
+that copies this rank's slice of a checkpoint tensor, so fused projections (QKV, gate-up)
+load from the checkpoint's separate tensors.  With ``tp_size == 1`` (all that ships today)
+the all-reduce is the identity."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from . import ops
+
+
+def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    """Copy a whole checkpoint tensor into ``param``.
+
+    Raises:
+        ValueError: shapes differ (a corrupt or mismatched checkpoint).
+    """
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """``y = x @ W.T (+ b)`` with ``W``: [out_features_per_rank, in_features_per_rank].
+
+    ``quant_method`` (set by quantization transforms) replaces the matmul; by default it is
+    a plain ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.quant_method: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer every rank holds whole."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw: Any):
+        super().__init__(in_features, out_features, bias, **kw)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        _set_loader(self.weight, default_weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            _set_loader(self.bias, default_weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks: rank r holds rows ``[r*out/tp, (r+1)*out/tp)`` of W."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        if out_features % tp_size:
+            raise ValueError(f"out_features {out_features} not divisible by tp_size {tp_size}")
+        super().__init__(in_features, out_features, bias, tp_size, tp_rank)
+        per_rank = out_features // tp_size
+        self.weight = nn.Parameter(torch.empty(per_rank, in_features), requires_grad=False)
+        _set_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(per_rank), requires_grad=False)
+            _set_loader(self.bias, self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (gate and up projections).
+
+    ``output_sizes`` are the full (unsharded) sizes; ``shard_id`` is the index of the part.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs a shard_id")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        part = loaded_weight.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K and V projections: output rows are [q heads | k heads | v heads] of this rank.
+
+    ``shard_id`` is "q", "k" or "v".
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0):
+        if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+            raise ValueError(f"heads ({num_heads} q, {num_kv_heads} kv) do not split over tp_size {tp_size}")
+        self.head_dim = head_dim
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        if shard_id == "q" or self.tp_size <= self.total_num_kv_heads:
+            rank = self.tp_rank
+        else:  # more ranks than KV heads: each KV head is replicated on tp/kv ranks
+            rank = self.tp_rank * self.total_num_kv_heads // self.tp_size
+        part = loaded_weight.narrow(0, rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), part)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; partial outputs are all-reduced (identity at tp=1)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        if in_features % tp_size:
+            raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
+        super().__init__(in_features, out_features, bias, tp_size, tp_rank)
+        per_rank = in_features // tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, per_rank), requires_grad=False)
+        _set_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            _set_loader(self.bias, default_weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        size = param.shape[1]
+        default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.tp_size > 1:  # pragma: no cover - multi-GPU path
+            torch.distributed.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding table ``[vocab, hidden]`` (vocab sharded over ranks when tp > 1)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        if tp_size != 1:
+            raise NotImplementedError("vocabulary sharding arrives with tensor parallelism")
+        self.num_embeddings = num_embeddings
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        _set_loader(self.weight, default_weight_loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        return F.embedding(input_ids, self.weight)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to vocabulary logits; may share its weight with the embedding."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        return F.linear(hidden, self.weight).float()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (``forward(x, residual)``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        _set_loader(self.weight, default_weight_loader)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse RoPE frequencies, float32 [head_dim // 2].
+
+    ``rope_scaling`` "linear" divides the frequencies by ``factor``; "llama3" applies
+    Llama 3.1's wavelength-dependent scaling (Meta, 2024; same rule as transformers'
+    ``_compute_llama3_parameters``): long wavelengths are divided by ``factor``, short ones
+    kept, and the band in between interpolated smoothly.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    factor = float(rope_scaling.get("factor", 1.0))
+    if rtype == "linear":
+        return inv_freq / factor
+    if rtype == "llama3":
+        low = float(rope_scaling.get("low_freq_factor", 1.0))
+        high = float(rope_scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(rope_scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen = old_ctx / low
+        high_wavelen = old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 ``[max_position, head_dim]`` cos|sin table and applies RoPE."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None):
+        super().__init__()
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU activation on a fused gate|up tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(x)

@@ -1,0 +1,88 @@
+"""Per-request generation settings (the names and meanings of vLLM's / OpenAI's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Largest ``n`` and ``logprobs`` a request may ask for.
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        n: number of independent completions of the prompt (distinct samples), 1..MAX_N.
+        max_tokens: generated tokens at most; None = up to the context length.
+        temperature: 0 = greedy; > 0 divides logits before sampling.
+        top_k: keep the k most likely tokens (-1 or 0 = all).
+        top_p: nucleus sampling mass in (0, 1] (Holtzman et al., 2020).
+        min_p: drop tokens whose probability is below ``min_p * p_max`` (0 = off).
+        seed: per-request RNG seed; the same seed gives the same tokens.
+        presence_penalty / frequency_penalty: OpenAI's additive penalties on generated tokens.
+        repetition_penalty: CTRL's multiplicative penalty (Keskar et al., 2019) on prompt and
+            generated tokens; 1.0 = off.
+        stop: strings that end generation when they appear in the text (not included).
+        stop_token_ids: token ids that end generation (not included in the text).
+        ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: also return this many top log-probabilities per generated token (of the
+            model's raw distribution, before penalties and temperature); None = off.
+        skip_special_tokens: drop special tokens from the text.
+
+    Raises:
+        ValueError: on out-of-range values; the message carries the offending value.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if len(self.stop) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(self.stop)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,0 +1,18 @@
+"""Maps the namespace package ``kiln`` onto the three source folders (runtime/, kernels/,
+operator/); everything else lives in pyproject.toml."""
+
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+
+_ROOTS = ("runtime", "kernels", "operator")
+packages: list[str] = []
+package_dir: dict[str, str] = {}
+for root in _ROOTS:
+    for pkg in find_namespace_packages(where=root, include=["kiln.*"]):
+        if not (Path(root) / pkg.replace(".", "/")).is_dir():
+            continue
+        packages.append(pkg)
+        package_dir[pkg] = f"{root}/{pkg.replace('.', '/')}"
+
+setup(packages=packages, package_dir=package_dir)

@@ -1,0 +1,224 @@
+"""Tests that prove the test control plane is a real one (issue: control plane, point 5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from plane import KWOK_NODE_LABEL
+
+pytestmark = pytest.mark.cluster
+
+
+def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.5):
+    """Polls fn until it returns something truthy; returns that, or fails naming what."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def deployment(name: str, replicas: int, gpus: int = 0, labels: dict | None = None) -> dict:
+    labels = labels or {"app": name}
+    container = {"name": "main", "image": "kiln/fake:latest"}
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}
+
+
+def apply(plane, ns: str, obj) -> None:
+    plane.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+
+
+def pods(plane, ns: str, selector: str) -> list[dict]:
+    return plane.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"]
+
+
+def is_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def test_versions_are_the_pinned_release(kube_plane):
+    v = json.loads(kube_plane.kubectl("version", "-o", "json"))
+    assert v["clientVersion"]["gitVersion"] == v["serverVersion"]["gitVersion"]
+    assert v["serverVersion"]["gitVersion"].startswith("v1.3")
+    helm = subprocess.run([kube_plane.helm_bin, "version", "--short"], capture_output=True, text=True, check=True)
+    assert helm.stdout.startswith("v3.")
+
+
+def test_gpu_nodes_are_ready_with_capacity(kube_plane):
+    nodes = kube_plane.kubectl_json("get", "nodes", "-l", f"{KWOK_NODE_LABEL}=kwok")["items"]
+    assert len(nodes) == kube_plane.num_gpu_nodes
+    for n in nodes:
+        assert n["status"]["allocatable"]["nvidia.com/gpu"] == str(kube_plane.gpus_per_node)
+        assert any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+
+
+@pytest.fixture
+def widget_crd(kube_plane):
+    group = f"t{uuid.uuid4().hex[:8]}.plane-test.kiln.dev"
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"widgets.{group}"},
+        "spec": {"group": group, "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                 "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                     "type": "object",
+                     "properties": {"spec": {
+                         "type": "object", "required": ["minReplicas", "maxReplicas"],
+                         "properties": {"minReplicas": {"type": "integer", "minimum": 0},
+                                        "maxReplicas": {"type": "integer", "minimum": 1},
+                                        "mode": {"type": "string", "enum": ["queue", "none"]}},
+                         "x-kubernetes-validations": [{"rule": "self.minReplicas <= self.maxReplicas",
+                                                       "message": "minReplicas must not exceed maxReplicas"}]}}}}}]}}
+    kube_plane.apply(crd)
+    kube_plane.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}", "--timeout=30s")
+    yield group
+    kube_plane.kubectl("delete", "crd", f"widgets.{group}", "--wait=false", check=False)
+
+
+def test_crd_schema_and_cel_are_enforced_by_the_server(kube_plane, namespace, widget_crd):
+    def widget(name, **spec):
+        return {"apiVersion": f"{widget_crd}/v1", "kind": "Widget", "metadata": {"name": name}, "spec": spec}
+
+    def create(obj):
+        return subprocess.run([kube_plane.kubectl_bin, "--kubeconfig", kube_plane.kubeconfig, "create", "-n",
+                               namespace, "-f", "-"], input=json.dumps(obj), capture_output=True, text=True)
+
+    # Apply right after Established can race the discovery cache: retry the good one briefly.
+    wait_for("valid widget accepted", lambda: create(widget("ok", minReplicas=1, maxReplicas=2)).returncode == 0, 20)
+    bad_cel = create(widget("cel", minReplicas=3, maxReplicas=2))
+    assert bad_cel.returncode != 0 and "minReplicas must not exceed maxReplicas" in bad_cel.stderr
+    bad_type = create(widget("type", minReplicas="one", maxReplicas=2))
+    assert bad_type.returncode != 0 and "spec.minReplicas" in bad_type.stderr
+    bad_enum = create(widget("enum", minReplicas=0, maxReplicas=2, mode="fast"))
+    assert bad_enum.returncode != 0 and "Unsupported value" in bad_enum.stderr
+    assert kube_plane.kubectl("get", "widgets", "-n", namespace, "-o", "name").split() == ["widget.%s/ok" % widget_crd]
+
+
+def test_deployment_gets_ready_pods_on_gpu_nodes_and_the_rest_stay_pending(kube_plane, namespace):
+    per_pod = kube_plane.gpus_per_node  # one pod fills a node, so one more than the nodes stays Pending
+    n = kube_plane.num_gpu_nodes
+    apply(kube_plane, namespace, deployment("gpu", n + 1, gpus=per_pod))
+
+    def split():
+        ps = pods(kube_plane, namespace, "app=gpu")
+        ready = [p for p in ps if is_ready(p)]
+        pending = [p for p in ps if p["status"].get("phase") == "Pending" and not p["spec"].get("nodeName")]
+        return (ready, pending) if len(ready) == n and len(pending) == 1 else None
+
+    ready, pending = wait_for(f"{n} ready and 1 pending pod", split, 60)
+    assert {p["spec"]["nodeName"] for p in ready} == {f"kwok-gpu-{i}" for i in range(n)}
+    assert all(p["status"].get("podIP") for p in ready)
+    cond = next(c for c in pending[0]["status"]["conditions"] if c["type"] == "PodScheduled")
+    assert cond["status"] == "False" and "nvidia.com/gpu" in cond["message"]
+    dep = kube_plane.kubectl_json("get", "deployment", "gpu", "-n", namespace)
+    assert dep["status"].get("readyReplicas") == n
+
+
+def test_job_pod_completes(kube_plane, namespace):
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "once"},
+           "spec": {"backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never", "containers": [
+               {"name": "main", "image": "kiln/fake:latest", "command": ["true"]}]}}}}
+    apply(kube_plane, namespace, job)
+    kube_plane.kubectl("wait", "-n", namespace, "--for=condition=Complete", "job/once", "--timeout=60s")
+    (pod,) = pods(kube_plane, namespace, "job-name=once")
+    assert pod["status"]["phase"] == "Succeeded"
+
+
+def test_deleting_an_owner_garbage_collects_its_children(kube_plane, namespace):
+    apply(kube_plane, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owner"}})
+    uid = kube_plane.kubectl_json("get", "configmap", "owner", "-n", namespace)["metadata"]["uid"]
+    apply(kube_plane, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "child", "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}]}})
+    apply(kube_plane, namespace, deployment("web", 1))
+    wait_for("a ReplicaSet of web", lambda: kube_plane.kubectl("get", "rs", "-n", namespace, "-l", "app=web", "-o", "name"))
+    kube_plane.kubectl("delete", "configmap", "owner", "-n", namespace)
+    kube_plane.kubectl("delete", "deployment", "web", "-n", namespace)
+    wait_for("child ConfigMap collected", lambda: not kube_plane.kubectl(
+        "get", "configmap", "child", "-n", namespace, "--ignore-not-found", "-o", "name"))
+    wait_for("ReplicaSet and pods collected", lambda: not kube_plane.kubectl(
+        "get", "rs,pods", "-n", namespace, "-l", "app=web", "-o", "name"))
+
+
+def test_rbac_restricted_identity_is_refused(kube_plane, namespace):
+    kube_plane.kubectl("create", "serviceaccount", "limited", "-n", namespace)
+    kube_plane.kubectl("create", "role", "pod-reader", "--verb=get,list", "--resource=pods", "-n", namespace)
+    kube_plane.kubectl("create", "rolebinding", "limited-reads-pods", "--role=pod-reader",
+                       f"--serviceaccount={namespace}:limited", "-n", namespace)
+    token = kube_plane.kubectl("create", "token", "limited", "-n", namespace).strip()
+
+    def as_limited(*args):
+        return subprocess.run([kube_plane.kubectl_bin, "--kubeconfig=/dev/null", f"--server={kube_plane.server}",
+                               f"--certificate-authority={kube_plane.pki / 'ca.crt'}", f"--token={token}",
+                               "-n", namespace, *args], capture_output=True, text=True)
+
+    allowed = as_limited("get", "pods")
+    assert allowed.returncode == 0, allowed.stderr
+    denied = as_limited("get", "secrets")
+    assert denied.returncode != 0 and "Forbidden" in denied.stderr
+    assert f"system:serviceaccount:{namespace}:limited" in denied.stderr
+    assert as_limited("auth", "can-i", "delete", "pods").stdout.strip() == "no"
+
+
+def test_custom_metrics_api_serves_fed_values_through_the_aggregator(kube_plane, namespace):
+    apply(kube_plane, namespace, deployment("web", 2))
+    wait_for("2 ready pods", lambda: len([p for p in pods(kube_plane, namespace, "app=web") if is_ready(p)]) == 2)
+    (first, second) = sorted(p["metadata"]["name"] for p in pods(kube_plane, namespace, "app=web"))
+    kube_plane.custom_metrics.set(namespace, {"app": "web"}, "kiln_test_metric", 1.5)
+    kube_plane.custom_metrics.set(namespace, first, "kiln_test_metric", 4)
+    raw = json.loads(kube_plane.kubectl(
+        "get", "--raw", f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{namespace}/pods/*/kiln_test_metric"
+        "?labelSelector=app%3Dweb"))
+    values = {i["describedObject"]["name"]: i["value"] for i in raw["items"]}
+    assert values == {first: "4", second: "1500m"}
+
+
+def test_hpa_scales_a_deployment_on_a_fed_pods_metric(kube_plane, namespace):
+    apply(kube_plane, namespace, deployment("web", 1))
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "web"},
+           "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web"},
+                    "minReplicas": 1, "maxReplicas": 4,
+                    "metrics": [{"type": "Pods", "pods": {"metric": {"name": "kiln_queue_seconds"},
+                                                          "target": {"type": "AverageValue", "averageValue": "1"}}}]}}
+    apply(kube_plane, namespace, hpa)
+    kube_plane.custom_metrics.set(namespace, {"app": "web"}, "kiln_queue_seconds", 0.5)
+
+    def replicas():
+        return kube_plane.kubectl_json("get", "deployment", "web", "-n", namespace)["spec"]["replicas"]
+
+    def hpa_current():
+        st = kube_plane.kubectl_json("get", "hpa", "web", "-n", namespace).get("status", {})
+        cur = [m["pods"]["current"]["averageValue"] for m in st.get("currentMetrics") or [] if m.get("type") == "Pods"]
+        return cur[0] if cur else None
+
+    assert wait_for("HPA reads the fed metric", hpa_current, 60) == "500m"
+    assert replicas() == 1
+    # 1 pod at 3 s against a 1 s target: the HPA wants ceil(1 * 3 / 1) = 3 replicas.
+    kube_plane.custom_metrics.set(namespace, {"app": "web"}, "kiln_queue_seconds", 3)
+    wait_for("scale up to 3", lambda: replicas() == 3, 60)
+    wait_for("3 ready pods", lambda: len([p for p in pods(kube_plane, namespace, "app=web") if is_ready(p)]) == 3)
+    # Load gone: 3 pods at 0.2 s -> ceil(3 * 0.2) = 1, after the 10 s downscale stabilization window.
+    kube_plane.custom_metrics.set(namespace, {"app": "web"}, "kiln_queue_seconds", 0.2)
+    wait_for("scale down to 1", lambda: replicas() == 1, 90)
+
+
+def test_helm_installs_a_chart(kube_plane, namespace, tmp_path):
+    env = kube_plane.env()
+    subprocess.run([kube_plane.helm_bin, "create", str(tmp_path / "demo")], check=True, env=env, capture_output=True)
+    r = subprocess.run([kube_plane.helm_bin, "install", "demo", str(tmp_path / "demo"), "-n", namespace,
+                        "--wait", "--timeout", "90s"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "STATUS: deployed" in r.stdout
+    dep = kube_plane.kubectl_json("get", "deployment", "demo", "-n", namespace)
+    assert dep["status"].get("readyReplicas") == 1

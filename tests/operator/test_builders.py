@@ -1,0 +1,126 @@
+"""Pure manifest builders: (spec, hash, owner) -> dict."""
+
+import copy
+
+from kiln.operator import builders as b
+from kiln.operator import constants as c
+from kiln.runtime.enginespec import engine_hash
+
+OWNER = {"name": "smollm2", "namespace": "team-a", "uid": "u-1"}
+SPEC = {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int4-awq"},
+        "runtime": {"maxNumSeqs": 32, "kvCacheMemoryFraction": 0.8},
+        "resources": {"gpus": 1, "nodeSelector": {"gpu": "h200"},
+                      "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                      "requests": {"memory": "16Gi"}},
+        "rollout": {"maxSurge": 0, "maxUnavailable": 1, "startupTimeoutSeconds": 600}}
+H = engine_hash(SPEC)
+
+
+def container(obj):
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_builders_are_pure_and_deterministic():
+    spec = copy.deepcopy(SPEC)
+    a = b.deployment(spec, H, OWNER, replicas=2)
+    assert a == b.deployment(spec, H, OWNER, replicas=2)
+    assert spec == SPEC  # input not mutated
+    assert b.build_job(spec, H, OWNER) == b.build_job(spec, H, OWNER)
+
+
+def test_deployment_runs_the_engine_with_its_hash_in_the_pod_template():
+    d = b.deployment(SPEC, H, OWNER, replicas=2)
+    assert d["spec"]["replicas"] == 2
+    assert d["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == H
+    assert c.LABEL_ENGINE_HASH not in d["spec"]["selector"]["matchLabels"]  # selectors are immutable
+    ctr = container(d)
+    assert ctr["command"] == ["kiln", "serve"]
+    args = ctr["args"]
+    assert args[args.index("--engine") + 1] == f"/engines/{H}"
+    assert args[args.index("--port") + 1] == "8000"
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert args[args.index("--kv-cache-memory-fraction") + 1] == "0.8"
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert ctr["resources"]["requests"]["memory"] == "16Gi"
+    assert ctr["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert ctr["startupProbe"]["failureThreshold"] * ctr["startupProbe"]["periodSeconds"] >= 600
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert ctr["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    pod = d["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h200"} and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m for m in ctr["volumeMounts"]}
+    assert mounts["/engines"]["readOnly"] is True
+    assert d["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_deployment_without_replicas_leaves_them_to_the_hpa():
+    assert "replicas" not in b.deployment(SPEC, H, OWNER, replicas=None)["spec"]
+
+
+def test_cpu_engine_requests_no_gpu():
+    spec = {**SPEC, "resources": {"gpus": 0}}
+    ctr = container(b.deployment(spec, H, OWNER, replicas=1))
+    assert "nvidia.com/gpu" not in str(ctr.get("resources"))
+    assert ctr["args"][ctr["args"].index("--device") + 1] == "cpu"
+
+
+def test_build_job_builds_into_the_hash_path_with_limits():
+    j = b.build_job({**SPEC, "build": {"quantization": "int4-awq", "backoffLimit": 2, "activeDeadlineSeconds": 900}}, H, OWNER)
+    assert j["metadata"]["name"] == f"smollm2-build-{H[:10]}"
+    assert j["spec"]["backoffLimit"] == 2 and j["spec"]["activeDeadlineSeconds"] == 900
+    ctr = container(j)
+    assert ctr["command"] == ["kiln", "build"]
+    args = ctr["args"]
+    assert args[args.index("--output") + 1] == f"/engines/{H}"
+    assert args[args.index("--model") + 1] == "builtin:smollm2-135m-instruct"
+    assert args[args.index("--quantization") + 1] == "int4-awq"
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1"  # AWQ calibrates on the GPU
+    assert j["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_fp8_weight_build_needs_no_gpu_and_pvc_sources_are_mounted():
+    spec = {"model": {"pvc": {"claimName": "models", "path": "llama/model.gguf"}}, "build": {"quantization": "fp8"}}
+    j = b.build_job(spec, "0" * 16, OWNER)
+    ctr = container(j)
+    assert "nvidia.com/gpu" not in str(ctr.get("resources"))
+    assert ctr["args"][ctr["args"].index("--model") + 1] == "/models/llama/model.gguf"
+    vols = {v["name"]: v for v in j["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+
+def test_service_and_endpoint():
+    s = b.service(SPEC, OWNER)
+    assert s["spec"]["ports"][0]["port"] == 8000
+    assert s["spec"]["selector"] == b.selector_labels(OWNER)
+    assert b.endpoint(OWNER) == "http://smollm2.team-a.svc:8000/v1"
+
+
+def test_hpa_targets_the_deployment_on_the_queue_time_pods_metric():
+    spec = {**SPEC, "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 6, "targetQueueTimeSeconds": 0.25,
+                                    "scaleDownStabilizationSeconds": 120}}
+    a = b.hpa(spec, OWNER)
+    assert a["apiVersion"] == "autoscaling/v2"
+    assert a["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smollm2"}
+    m = a["spec"]["metrics"][0]
+    assert m["type"] == "Pods" and m["pods"]["metric"]["name"] == "kiln_request_queue_time_seconds"
+    assert m["pods"]["target"] == {"type": "AverageValue", "averageValue": "250m"}
+    assert (a["spec"]["minReplicas"], a["spec"]["maxReplicas"]) == (2, 6)
+    assert a["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 120
+
+
+def test_cache_claim_and_record_are_not_owned():
+    pvc = b.cache_claim(SPEC, OWNER)
+    assert "ownerReferences" not in pvc["metadata"] and pvc["metadata"]["name"] == "kiln-engine-cache"
+    rec = b.engine_record(SPEC, H, OWNER, "job", "2026-01-01T00:00:00Z")
+    assert "ownerReferences" not in rec["metadata"] and rec["data"]["engineHash"] == H
+
+
+def test_names_fit_dns_labels():
+    long = {"name": "x" * 63, "namespace": "n", "uid": "u"}
+    assert len(b.job_name(long, H)) <= 63
+    assert b.job_name(long, H) != b.job_name({**long, "name": "x" * 62 + "y"}, H)
+    assert len(b.deployment_name(long)) <= 63
+    assert b.to_quantity(0.5) == "500m" and b.to_quantity(3) == "3" and b.to_quantity(0.001) == "1m"

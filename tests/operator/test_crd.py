@@ -1,0 +1,93 @@
+"""The InferenceEngine CRD: structure, descriptions, defaults, CEL rules, examples."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.runtime.enginespec import BUILD_DEFAULTS, QUANTIZATION_METHODS, engine_hash
+
+from crdcheck import ROOT, admit, load_crd, version_schema
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+INVALID = sorted((ROOT / "examples" / "invalid").glob("*.yaml"))
+
+
+def walk(s, path="spec"):
+    yield path, s
+    for name, sub in (s.get("properties") or {}).items():
+        yield from walk(sub, f"{path}.{name}")
+    if isinstance(s.get("items"), dict):
+        yield from walk(s["items"], f"{path}[]")
+    if isinstance(s.get("additionalProperties"), dict):
+        yield from walk(s["additionalProperties"], f"{path}{{}}")
+
+
+def test_identity_subresources_and_columns():
+    crd = load_crd()
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == "inferenceengines.kiln.dev"
+    assert (spec["group"], spec["names"]["kind"], spec["names"]["shortNames"]) == ("kiln.dev", "InferenceEngine", ["ie"])
+    v = spec["versions"][0]
+    assert v["name"] == "v1alpha1" and v["served"] and v["storage"]
+    assert v["subresources"]["status"] == {}
+    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                                          "labelSelectorPath": ".status.selector"}
+    cols = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"]}
+    assert {"Phase", "Model", "Quantization", "Ready", "Age"} <= set(cols)
+
+
+def test_every_field_has_a_description_and_a_type():
+    for path, s in walk(version_schema()):
+        assert s.get("description"), f"{path} has no description"
+        assert s.get("type") or s.get("x-kubernetes-int-or-string"), f"{path} has no type"
+
+
+def test_build_defaults_match_enginespec():
+    build = version_schema()["properties"]["spec"]["properties"]["build"]["properties"]
+    for key, value in BUILD_DEFAULTS.items():
+        assert build[key]["default"] == value, key
+    assert build["quantization"]["enum"] == list(QUANTIZATION_METHODS)
+
+
+def test_conditions_are_a_map_list_for_server_side_apply():
+    conds = version_schema()["properties"]["status"]["properties"]["conditions"]
+    assert conds["x-kubernetes-list-type"] == "map" and conds["x-kubernetes-list-map-keys"] == ["type"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(path):
+    obj, errors = admit(yaml.safe_load(path.read_text()))
+    assert errors == []
+    engine_hash(obj["spec"])  # and the operator can hash them
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+def test_invalid_examples_fail_with_their_documented_message(path):
+    text = path.read_text()
+    expected = text.split('Rejected by the API server: "', 1)[1].split('"', 1)[0]
+    _, errors = admit(yaml.safe_load(text))
+    assert expected in errors
+
+
+def test_omitted_and_written_defaults_hash_alike_after_defaulting():
+    small, _ = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
+                      "spec": {"model": {"builtin": "smollm2-135m-instruct"}}})
+    assert small["spec"]["build"]["groupSize"] == 128 and small["spec"]["autoscaling"]["mode"] == "off"
+    assert engine_hash(small["spec"]) == engine_hash({"model": {"builtin": "smollm2-135m-instruct"}})
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"model": {"builtin": "smollm2-135m-instruct"}, "rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "cannot both be 0"),
+    ({"model": {"builtin": "smollm2-135m-instruct"}, "build": {"groupSize": 256}}, "groupSize must be one of"),
+    ({"model": {"builtin": "smollm2-135m-instruct", "pvc": {"claimName": "m", "path": "x"}}}, "exactly one source"),
+])
+def test_cel_rules(spec, message):
+    _, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"}, "spec": spec})
+    assert any(message in e for e in errors), errors
+
+
+def test_unknown_enum_is_rejected():
+    _, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
+                       "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int3"}}})
+    assert errors and "quantization" in errors[0]

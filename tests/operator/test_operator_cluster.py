@@ -1,0 +1,402 @@
+"""Integration tests of the operator against the real control plane (tests/cluster): the chart
+is installed with helm, and the operator runs in this process with the chart's ServiceAccount
+token (so a missing RBAC rule fails the test).  kwok fakes the pods: build Jobs complete through
+kwok's pod-complete stage, serving pods become Ready without running.
+
+The builtin autoscaler's scrapes are answered by a fake fetcher (kwok pod IPs are not real).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.operator import builders as b
+from kiln.operator import constants as c
+from kiln.operator.kube import Kube, KubeConfig
+from kiln.operator.main import OperatorOptions, start_in_thread
+from kiln.runtime.enginespec import engine_hash
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE_NS = "kiln-system"
+SA = "kiln"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def wait_for(what, fn, timeout=60.0, interval=0.3):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class FakeMetrics:
+    """Answers the builtin autoscaler's scrapes: per-pod histogram totals that grow by
+    (queue seconds, requests) per scrape, as set by the test."""
+
+    def __init__(self):
+        self.step = (0.0, 1.0)
+        self.totals: dict[str, list[float]] = {}
+        self.scrapes = 0
+
+    def __call__(self, pod):
+        self.scrapes += 1
+        t = self.totals.setdefault(pod["metadata"]["name"], [0.0, 0.0])
+        t[0] += self.step[0]
+        t[1] += self.step[1]
+        return (f"kiln_request_queue_time_seconds_sum {t[0]}\n"
+                f"kiln_request_queue_time_seconds_count {t[1]}\n")
+
+
+class Operator:
+    """The in-process operator (restartable)."""
+
+    def __init__(self, kubeconfig: str, metrics: FakeMetrics):
+        self.kubeconfig, self.metrics = kubeconfig, metrics
+        self.handle = None
+
+    def options(self, identity="pytest-a"):
+        return OperatorOptions(kubeconfig=self.kubeconfig, leader_election=True, lease_namespace=RELEASE_NS,
+                               lease_name="kiln", identity=identity, resync_seconds=5, autoscale_seconds=1,
+                               workers=8, metrics_fetcher=self.metrics)
+
+    def start(self, identity="pytest-a"):
+        self.handle = start_in_thread(self.options(identity), wait_ready=60)
+        assert self.handle.ready_flag.is_set(), f"operator not ready: {self.handle.errors}"
+        return self.handle
+
+    def stop(self):
+        if self.handle is not None:
+            self.handle.stop()
+            self.handle = None
+
+
+@pytest.fixture(scope="module")
+def plane(kube_plane):
+    return kube_plane
+
+
+@pytest.fixture(scope="module")
+def admin(plane):
+    k = Kube(KubeConfig(kubeconfig=plane.kubeconfig))
+    yield k
+    k.close()
+
+
+@pytest.fixture(scope="module")
+def release(plane, tmp_path_factory):
+    """helm install of the chart; returns a kubeconfig with the chart ServiceAccount's token."""
+    env = plane.env()
+    r = subprocess.run([plane.helm_bin, "upgrade", "--install", "kiln", str(ROOT / "helm/kiln"),
+                        "--namespace", RELEASE_NS, "--create-namespace", "--kubeconfig", plane.kubeconfig,
+                        "--set", "runtimeImage.tag=test", "--wait", "--timeout", "120s"],
+                       capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    token = plane.kubectl("create", "token", SA, "-n", RELEASE_NS, "--duration=3h").strip()
+    kc = tmp_path_factory.mktemp("sa") / "kubeconfig"
+    kc.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "plane", "cluster": {"server": plane.server,
+                                                    "certificate-authority": str(plane.pki / "ca.crt")}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "plane", "user": "sa"}}]}))
+    yield str(kc)
+    subprocess.run([plane.helm_bin, "uninstall", "kiln", "--namespace", RELEASE_NS, "--kubeconfig", plane.kubeconfig],
+                   capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def metrics():
+    return FakeMetrics()
+
+
+@pytest.fixture(scope="module")
+def operator(release, metrics):
+    op = Operator(release, metrics)
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(plane, namespace, operator):
+    """A test namespace with a PersistentVolume pre-bound to its engine cache claim (the plane
+    has no storage provisioner)."""
+    pv = f"kiln-cache-{namespace}"[:63]
+    plane.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                 "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
+                          "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                          "hostPath": {"path": f"/tmp/kiln-pv/{namespace}"},
+                          "claimRef": {"namespace": namespace, "name": "kiln-engine-cache"}}})
+    yield namespace
+    plane.kubectl("delete", "pv", pv, "--wait=false", "--ignore-not-found", check=False)
+
+
+def load(name: str, **spec_overrides) -> dict:
+    obj = yaml.safe_load((ROOT / "examples" / name).read_text())
+    for k, v in spec_overrides.items():
+        obj["spec"][k] = v
+    return obj
+
+
+def apply(plane, ns: str, obj: dict, *extra: str) -> str:
+    return plane.kubectl("apply", "-n", ns, *extra, "-f", "-", input=json.dumps(obj))
+
+
+def get_ie(admin, ns, name):
+    return admin.get(c.API_VERSION, c.KIND, ns, name)
+
+
+def condition(body, t):
+    for x in (body or {}).get("status", {}).get("conditions", []):
+        if x["type"] == t:
+            return x
+    return {}
+
+
+def deployment_hash(admin, ns, name):
+    d = admin.get("apps/v1", "Deployment", ns, name)
+    return d and d["spec"]["template"]["metadata"]["labels"].get(c.LABEL_ENGINE_HASH)
+
+
+def ready(admin, ns, name):
+    ie = get_ie(admin, ns, name)
+    return ie if ie and ie.get("status", {}).get("phase") == "Ready" \
+        and ie["status"].get("observedGeneration") == ie["metadata"]["generation"] else None
+
+
+def replica_sets(admin, ns, name):
+    return admin.request("GET", f"/apis/apps/v1/namespaces/{ns}/replicasets",
+                         query={"labelSelector": f"{c.LABEL_ENGINE}={name}"})["items"]
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+def test_chart_installs_crd_rbac_and_operator(plane, admin, release):
+    crd = admin.request("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferenceengines.kiln.dev")
+    assert any(x["type"] == "Established" and x["status"] == "True" for x in crd["status"]["conditions"])
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    dep = admin.get("apps/v1", "Deployment", RELEASE_NS, "kiln")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == SA
+    # the ServiceAccount may not touch what it does not need
+    out = plane.kubectl("auth", "can-i", "get", "secrets", "-A", f"--as=system:serviceaccount:{RELEASE_NS}:{SA}",
+                        check=False).strip()
+    assert out == "no"
+
+
+def test_invalid_examples_are_rejected_with_the_cel_message(plane, ns):
+    for path in sorted((ROOT / "examples/invalid").glob("*.yaml")):
+        text = path.read_text()
+        expected = text.split('Rejected by the API server: "', 1)[1].split('"', 1)[0]
+        r = subprocess.run([plane.kubectl_bin, "--kubeconfig", plane.kubeconfig, "apply", "-n", ns, "-f", str(path)],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and expected in r.stderr, (path.name, r.stderr)
+
+
+def test_valid_examples_reconcile_to_their_children(plane, admin, ns):
+    names = []
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        obj = yaml.safe_load(path.read_text())
+        plane.kubectl("apply", "-n", ns, "-f", str(path))
+        names.append((obj["metadata"]["name"], obj))
+    for name, obj in names:
+        ie = wait_for(f"{name} status", lambda: (lambda x: x if x and x.get("status", {}).get("engineHash") else None)(
+            get_ie(admin, ns, name)), 60)
+        assert ie["status"]["engineHash"] == engine_hash(ie["spec"])
+        owner = {"name": name, "namespace": ns, "uid": ie["metadata"]["uid"]}
+        assert admin.get("v1", "Service", ns, b.deployment_name(owner)) is not None
+        claim = (obj["spec"].get("storage") or {}).get("claimName", "kiln-engine-cache")
+        assert admin.get("v1", "PersistentVolumeClaim", ns, claim) is not None
+        has_job = admin.get("batch/v1", "Job", ns, b.job_name(owner, ie["status"]["engineHash"])) is not None
+        has_record = admin.get("v1", "ConfigMap", ns, b.record_name(claim, ie["status"]["engineHash"])) is not None
+        assert has_job or has_record
+        assert ie["status"]["selector"] == b.selector_string(owner)
+    # the cached-claim examples finish: smollm2 becomes Ready
+    wait_for("smollm2 Ready", lambda: ready(admin, ns, "smollm2"), 90)
+    # no kopf state on the resources
+    for name, _ in names:
+        meta = get_ie(admin, ns, name)["metadata"]
+        assert not [a for a in (meta.get("annotations") or {}) if "kopf" in a]
+        assert not meta.get("finalizers")
+
+
+def test_build_success_gives_a_deployment_with_the_engine_hash(plane, admin, ns):
+    obj = load("smollm2.yaml", replicas=2)
+    apply(plane, ns, obj)
+    ie = wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+    h = engine_hash(ie["spec"])
+    assert ie["status"]["engineHash"] == h and deployment_hash(admin, ns, "smollm2") == h
+    dep = admin.get("apps/v1", "Deployment", ns, "smollm2")
+    assert dep["spec"]["replicas"] == 2
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--engine") + 1] == f"/engines/{h}"
+    assert ie["status"]["readyReplicas"] == 2 and ie["status"]["replicas"] == 2
+    assert ie["status"]["endpoint"] == f"http://smollm2.{ns}.svc:8000/v1"
+    for t, s in (("EngineBuilt", "True"), ("Available", "True"), ("Progressing", "False"), ("Degraded", "False")):
+        x = condition(ie, t)
+        assert x["status"] == s and x["observedGeneration"] == ie["metadata"]["generation"] and x["lastTransitionTime"]
+    job = admin.get("batch/v1", "Job", ns, f"smollm2-build-{h[:10]}")
+    assert job["metadata"]["ownerReferences"][0]["uid"] == ie["metadata"]["uid"]
+    events = admin.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == "smollm2"}
+    assert {"BuildSucceeded", "MinimumReplicasAvailable"} <= reasons
+    # the scale subresource works
+    plane.kubectl("scale", "-n", ns, "ie/smollm2", "--replicas=3")
+    wait_for("3 replicas", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2")["spec"]["replicas"] == 3, 30)
+
+
+def test_build_failure_is_degraded_with_the_job_reason(plane, admin, ns):
+    obj = load("smollm2.yaml")
+    obj["spec"]["build"]["activeDeadlineSeconds"] = 5
+    obj["spec"]["resources"]["nodeSelector"] = {"kiln.dev/no-such-node": "true"}  # never schedules
+    apply(plane, ns, obj)
+    ie = wait_for("Degraded", lambda: (lambda x: x if condition(x, "Degraded").get("status") == "True" else None)(
+        get_ie(admin, ns, "smollm2")), 90)
+    d = condition(ie, "Degraded")
+    assert d["reason"] == "BuildFailed" and "DeadlineExceeded" in d["message"]
+    assert ie["status"]["phase"] == "Degraded"
+    assert admin.get("apps/v1", "Deployment", ns, "smollm2") is None
+    time.sleep(6)  # a resync later: still one Job, still no Deployment
+    assert len(admin.list("batch/v1", "Job", ns)) == 1
+    assert admin.get("apps/v1", "Deployment", ns, "smollm2") is None
+
+
+def test_spec_change_builds_first_then_rolls_and_revert_reuses(plane, admin, ns):
+    obj = load("smollm2.yaml")
+    apply(plane, ns, obj)
+    ie = wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+    h1 = ie["status"]["engineHash"]
+    dep1 = admin.get("apps/v1", "Deployment", ns, "smollm2")
+    rs1 = len(replica_sets(admin, ns, "smollm2"))
+    # new quantization, and a node selector no node has yet: the new build waits
+    node = "kwok-gpu-0"
+    obj2 = load("smollm2.yaml")
+    obj2["spec"]["build"]["quantization"] = "int4-awq"
+    obj2["spec"]["resources"]["nodeSelector"] = {"kiln.dev/test-pool": ns}
+    apply(plane, ns, obj2)
+    ie = wait_for("new hash", lambda: (lambda x: x if x["status"].get("engineHash") != h1 else None)(
+        get_ie(admin, ns, "smollm2")), 30)
+    h2 = ie["status"]["engineHash"]
+    assert h2 == engine_hash(ie["spec"])
+    wait_for("new build Job", lambda: admin.get("batch/v1", "Job", ns, f"smollm2-build-{h2[:10]}"), 30)
+    time.sleep(6)  # a resync passes; the old Deployment must stay as it was
+    dep = admin.get("apps/v1", "Deployment", ns, "smollm2")
+    assert dep["metadata"]["generation"] == dep1["metadata"]["generation"]
+    assert deployment_hash(admin, ns, "smollm2") == h1
+    assert get_ie(admin, ns, "smollm2")["status"]["phase"] == "Building"
+    assert condition(get_ie(admin, ns, "smollm2"), "Available")["status"] == "True"  # old pods keep serving
+    plane.kubectl("label", "node", node, f"kiln.dev/test-pool={ns}", "--overwrite")
+    try:
+        wait_for("rolled to the new engine", lambda: deployment_hash(admin, ns, "smollm2") == h2, 60)
+        wait_for("Ready on the new engine", lambda: ready(admin, ns, "smollm2"), 90)
+        assert len(replica_sets(admin, ns, "smollm2")) == rs1 + 1
+        # revert: the old engine is reused, no new Job
+        jobs = len(admin.list("batch/v1", "Job", ns))
+        apply(plane, ns, load("smollm2.yaml"))
+        wait_for("back on the old engine", lambda: deployment_hash(admin, ns, "smollm2") == h1, 30)
+        ie = wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 60)
+        assert condition(ie, "EngineBuilt")["reason"] in ("EngineCached", "BuildSucceeded")
+        assert len(admin.list("batch/v1", "Job", ns)) == jobs
+    finally:
+        plane.kubectl("label", "node", node, "kiln.dev/test-pool-", check=False)
+
+
+def test_applying_twice_or_server_side_changes_nothing(plane, admin, ns):
+    path = ROOT / "examples/smollm2.yaml"
+    plane.kubectl("apply", "-n", ns, "-f", str(path))
+    ie = wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+    time.sleep(1)
+    before = {k: admin.get(*k[:2], ns, k[2])["metadata"]["resourceVersion"] for k in
+              [("apps/v1", "Deployment", "smollm2"), ("v1", "Service", "smollm2")]}
+    gen = ie["metadata"]["generation"]
+    rs = len(replica_sets(admin, ns, "smollm2"))
+    out = plane.kubectl("apply", "-n", ns, "-f", str(path))
+    assert "unchanged" in out
+    plane.kubectl("apply", "--server-side", "--field-manager=argocd-controller", "--force-conflicts", "-n", ns, "-f", str(path))
+    time.sleep(7)  # more than one resync period
+    after = {k: admin.get(*k[:2], ns, k[2])["metadata"]["resourceVersion"] for k in before}
+    assert after == before
+    assert get_ie(admin, ns, "smollm2")["metadata"]["generation"] == gen
+    assert len(replica_sets(admin, ns, "smollm2")) == rs
+    r = subprocess.run([plane.kubectl_bin, "--kubeconfig", plane.kubeconfig, "diff", "-n", ns, "-f", str(path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+
+
+def test_hpa_mode_scales_on_the_custom_metric(plane, admin, ns):
+    obj = load("smollm2-hpa.yaml")
+    obj["spec"]["autoscaling"]["scaleDownStabilizationSeconds"] = 0
+    apply(plane, ns, obj)
+    wait_for("Ready", lambda: ready(admin, ns, "smollm2-hpa"), 90)
+    hpa = wait_for("HPA", lambda: admin.get("autoscaling/v2", "HorizontalPodAutoscaler", ns, "smollm2-hpa"), 30)
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kiln_request_queue_time_seconds"
+    sel = {c.LABEL_ENGINE: "smollm2-hpa"}
+    plane.custom_metrics.set(ns, sel, "kiln_request_queue_time_seconds", 2.0)  # 4x the 0.5 s target
+    wait_for("HPA scale-up", lambda: (admin.get("apps/v1", "Deployment", ns, "smollm2-hpa")["spec"]["replicas"] or 0) >= 2, 90)
+    ie = wait_for("status follows", lambda: (lambda x: x if x["status"].get("replicas", 0) >= 2 else None)(
+        get_ie(admin, ns, "smollm2-hpa")), 60)
+    assert ie["spec"].get("replicas", 1) == 1  # the operator never wrote replicas back
+    time.sleep(6)
+    assert admin.get("apps/v1", "Deployment", ns, "smollm2-hpa")["spec"]["replicas"] >= 2  # not fought back
+    plane.custom_metrics.set(ns, sel, "kiln_request_queue_time_seconds", 0.0)
+    wait_for("HPA scale-down", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2-hpa")["spec"]["replicas"] == 1, 120)
+
+
+def test_builtin_mode_scales_on_the_pods_metric(plane, admin, ns, metrics):
+    obj = load("smollm2-builtin-autoscaling.yaml")
+    obj["spec"]["autoscaling"].update(scaleDownStabilizationSeconds=2, maxReplicas=3)
+    apply(plane, ns, obj)
+    wait_for("Ready", lambda: ready(admin, ns, "smollm2-auto"), 90)
+    assert admin.get("autoscaling/v2", "HorizontalPodAutoscaler", ns, "smollm2-auto") is None
+    metrics.step = (5.0, 5.0)  # 1 s mean queue time vs 0.2 s target
+    wait_for("builtin scale-up", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2-auto")["spec"]["replicas"] == 3, 60)
+    ie = wait_for("status", lambda: (lambda x: x if x["status"].get("autoscaler", {}).get("desiredReplicas") == 3 else None)(
+        get_ie(admin, ns, "smollm2-auto")), 30)
+    assert ie["status"]["autoscaler"]["observedQueueTimeSeconds"] == pytest.approx(1.0)
+    metrics.step = (0.0, 5.0)
+    wait_for("builtin scale-down", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2-auto")["spec"]["replicas"] == 1, 60)
+    metrics.step = (0.0, 1.0)
+
+
+def test_suspend_scales_to_zero(plane, admin, ns):
+    apply(plane, ns, load("smollm2.yaml"))
+    wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+    apply(plane, ns, load("smollm2.yaml", suspend=True))
+    wait_for("Suspended", lambda: (get_ie(admin, ns, "smollm2")["status"].get("phase") == "Suspended"), 30)
+    wait_for("0 replicas", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2")["spec"]["replicas"] == 0, 30)
+    apply(plane, ns, load("smollm2.yaml"))
+    wait_for("Ready again", lambda: ready(admin, ns, "smollm2"), 90)
+
+
+def test_restart_mid_build_resumes_without_duplicate_jobs_and_standby_waits(plane, admin, ns, operator):
+    obj = load("smollm2.yaml")
+    obj["spec"]["resources"]["nodeSelector"] = {"kiln.dev/test-pool": ns}
+    apply(plane, ns, obj)
+    wait_for("build Job", lambda: admin.list("batch/v1", "Job", ns), 30)
+    # a second replica waits for the Lease while the first leads
+    standby = start_in_thread(operator.options(identity="pytest-b"), wait_ready=3)
+    try:
+        assert not standby.ready_flag.is_set() and standby.elector is not None and not standby.elector.is_leader
+        operator.stop()  # the leader goes away mid-build, releasing the Lease
+        wait_for("standby leads", lambda: standby.ready_flag.is_set(), 30)
+        time.sleep(6)  # it resyncs everything
+        assert len(admin.list("batch/v1", "Job", ns)) == 1
+        plane.kubectl("label", "node", "kwok-gpu-1", f"kiln.dev/test-pool={ns}", "--overwrite")
+        wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+        assert len(admin.list("batch/v1", "Job", ns)) == 1
+    finally:
+        plane.kubectl("label", "node", "kwok-gpu-1", "kiln.dev/test-pool-", check=False)
+        standby.stop()
+        operator.start()

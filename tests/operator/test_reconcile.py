@@ -1,0 +1,225 @@
+"""The reconciler against an in-memory API (no cluster): the issue's acceptance flow."""
+
+import copy
+
+import pytest
+
+from kiln.operator import builders as b
+from kiln.operator import constants as c
+from kiln.operator.reconcile import Reconciler, ReconcilerConfig, job_state
+from kiln.runtime.enginespec import engine_hash
+
+from fakekube import FakeKube
+
+NS = "team-a"
+
+
+def make_ie(kube, spec, name="smollm2"):
+    obj = {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name, "namespace": NS}, "spec": spec}
+    return kube.apply(obj)
+
+
+def ie(kube, name="smollm2"):
+    return kube.get(c.API_VERSION, c.KIND, NS, name)
+
+
+def finish_job(kube, name, ok=True):
+    if ok:
+        st = {"succeeded": 1, "completionTime": "2026-01-01T00:00:00Z",
+              "conditions": [{"type": "Complete", "status": "True"}]}
+    else:
+        st = {"failed": 2, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                           "message": "Job has reached the specified backoff limit"}]}
+    kube.set_status("batch/v1", "Job", NS, name, st)
+
+
+def cond(body, t):
+    return next(x for x in body["status"]["conditions"] if x["type"] == t)
+
+
+SPEC = {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int4-awq"}, "replicas": 2}
+
+
+@pytest.fixture
+def kube():
+    return FakeKube()
+
+
+@pytest.fixture
+def rec(kube):
+    return Reconciler(kube, ReconcilerConfig(emit_events=True))
+
+
+def test_build_then_deploy(kube, rec):
+    make_ie(kube, SPEC)
+    h = engine_hash(SPEC)
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_BUILDING and "Job" in out.applied and "PersistentVolumeClaim" in out.applied
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+    body = ie(kube)
+    assert body["status"]["engineHash"] == h
+    assert cond(body, "EngineBuilt")["status"] == "False" and cond(body, "Progressing")["reason"] == "Building"
+    # the same state again: no new Job, no status write
+    writes = len(kube.writes())
+    out2 = rec.reconcile(ie(kube))
+    assert not out2.status_written and "Job" not in out2.applied
+    assert len(kube.list("batch/v1", "Job", NS)) == 1
+    finish_job(kube, f"smollm2-build-{h[:10]}")
+    out3 = rec.reconcile(ie(kube))
+    assert out3.built and out3.serving_hash == h
+    dep = kube.get("apps/v1", "Deployment", NS, "smollm2")
+    assert dep["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == h
+    assert dep["spec"]["replicas"] == 2
+    assert kube.get("v1", "ConfigMap", NS, b.record_name("kiln-engine-cache", h)) is not None
+    assert kube.get("v1", "Service", NS, "smollm2")["spec"]["ports"][0]["port"] == 8000
+    body = ie(kube)
+    assert body["status"]["phase"] == c.PHASE_DEPLOYING
+    assert cond(body, "EngineBuilt")["reason"] == "BuildSucceeded"
+    assert body["status"]["endpoint"] == "http://smollm2.team-a.svc:8000/v1"
+    assert body["status"]["selector"] == b.selector_string({"name": "smollm2"})
+    # pods become ready
+    kube.set_status("apps/v1", "Deployment", NS, "smollm2",
+                    {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2})
+    rec.reconcile(ie(kube))
+    body = ie(kube)
+    assert body["status"]["phase"] == c.PHASE_READY and body["status"]["readyReplicas"] == 2
+    assert cond(body, "Available")["status"] == "True" and cond(body, "Progressing")["status"] == "False"
+    for x in body["status"]["conditions"]:
+        assert x["observedGeneration"] == body["metadata"]["generation"] and x["lastTransitionTime"]
+    events = [o for k, o in kube.objects.items() if k[1] == "Event"]
+    assert {e["reason"] for e in events} >= {"BuildSucceeded", "MinimumReplicasAvailable"}
+    # steady state: nothing changes
+    before = copy.deepcopy(kube.objects)
+    rec.reconcile(ie(kube))
+    assert kube.objects == before
+
+
+def test_build_failure_degrades_without_a_deployment(kube, rec):
+    make_ie(kube, SPEC)
+    h = engine_hash(SPEC)
+    rec.reconcile(ie(kube))
+    finish_job(kube, f"smollm2-build-{h[:10]}", ok=False)
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED
+    body = ie(kube)
+    d = cond(body, "Degraded")
+    assert d["status"] == "True" and d["reason"] == "BuildFailed" and "BackoffLimitExceeded" in d["message"]
+    assert cond(body, "EngineBuilt")["reason"] == "BuildFailed"
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+    assert len(kube.list("batch/v1", "Job", NS)) == 1  # no retry storm
+    warnings = [o for k, o in kube.objects.items() if k[1] == "Event" and o["type"] == "Warning"]
+    assert warnings
+
+
+def test_spec_change_waits_for_the_new_engine_and_revert_reuses_the_old(kube, rec):
+    make_ie(kube, SPEC)
+    h1 = engine_hash(SPEC)
+    rec.reconcile(ie(kube))
+    finish_job(kube, f"smollm2-build-{h1[:10]}")
+    rec.reconcile(ie(kube))
+    dep1 = kube.get("apps/v1", "Deployment", NS, "smollm2")
+    spec2 = {**SPEC, "build": {"quantization": "fp8"}}
+    h2 = engine_hash(spec2)
+    assert h2 != h1
+    make_ie(kube, spec2)
+    out = rec.reconcile(ie(kube))
+    assert out.hash == h2 and "Job" in out.applied and out.serving_hash == h1
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") == dep1  # untouched
+    assert ie(kube)["status"]["servingEngineHash"] == h1
+    finish_job(kube, f"smollm2-build-{h2[:10]}")
+    rec.reconcile(ie(kube))
+    dep2 = kube.get("apps/v1", "Deployment", NS, "smollm2")
+    assert dep2["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == h2
+    # revert: the old engine's record exists, no new Job
+    make_ie(kube, SPEC)
+    jobs_before = len(kube.list("batch/v1", "Job", NS))
+    out = rec.reconcile(ie(kube))
+    assert out.built and "Job" not in out.applied and len(kube.list("batch/v1", "Job", NS)) == jobs_before
+    dep3 = kube.get("apps/v1", "Deployment", NS, "smollm2")
+    assert dep3["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == h1
+
+
+def test_engine_shared_across_resources_in_a_namespace(kube, rec):
+    make_ie(kube, SPEC, "a")
+    h = engine_hash(SPEC)
+    rec.reconcile(ie(kube, "a"))
+    finish_job(kube, f"a-build-{h[:10]}")
+    rec.reconcile(ie(kube, "a"))
+    make_ie(kube, SPEC, "b")
+    out = rec.reconcile(ie(kube, "b"))
+    assert out.built and "Job" not in out.applied
+    assert cond(ie(kube, "b"), "EngineBuilt")["reason"] == "EngineCached"
+
+
+def test_superseded_running_build_is_stopped(kube, rec):
+    make_ie(kube, SPEC)
+    h1 = engine_hash(SPEC)
+    rec.reconcile(ie(kube))
+    make_ie(kube, {**SPEC, "build": {"quantization": "fp8"}})
+    rec.reconcile(ie(kube))
+    names = [j["metadata"]["name"] for j in kube.list("batch/v1", "Job", NS)]
+    assert f"smollm2-build-{h1[:10]}" not in names and len(names) == 1
+
+
+def test_suspend_scales_to_zero_and_stops_builds(kube, rec):
+    make_ie(kube, SPEC)
+    h = engine_hash(SPEC)
+    rec.reconcile(ie(kube))
+    make_ie(kube, {**SPEC, "suspend": True})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_SUSPENDED and kube.list("batch/v1", "Job", NS) == []
+    rec.reconcile(ie(kube))
+    assert kube.list("batch/v1", "Job", NS) == []  # stays stopped
+    make_ie(kube, SPEC)
+    rec.reconcile(ie(kube))
+    finish_job(kube, f"smollm2-build-{h[:10]}")
+    rec.reconcile(ie(kube))
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2")["spec"]["replicas"] == 2
+    make_ie(kube, {**SPEC, "suspend": True})
+    rec.reconcile(ie(kube))
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2")["spec"]["replicas"] == 0
+
+
+def test_autoscaling_modes_own_replicas_exclusively(kube):
+    wish = {"n": None}
+    rec = Reconciler(kube, scaler=lambda key: (wish["n"], {"desiredReplicas": wish["n"]} if wish["n"] else None))
+    spec = {**SPEC, "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 5}}
+    make_ie(kube, spec)
+    h = engine_hash(spec)
+    rec.reconcile(ie(kube))
+    finish_job(kube, f"smollm2-build-{h[:10]}")
+    rec.reconcile(ie(kube))
+    assert kube.get("autoscaling/v2", "HorizontalPodAutoscaler", NS, "smollm2") is not None
+    kube.objects[("apps/v1", "Deployment", NS, "smollm2")]["spec"]["replicas"] = 4  # the HPA scaled
+    rec.reconcile(ie(kube))
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2")["spec"]["replicas"] == 4  # not fought
+    make_ie(kube, {**spec, "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 5}})
+    wish["n"] = 3
+    rec.reconcile(ie(kube))
+    assert kube.get("autoscaling/v2", "HorizontalPodAutoscaler", NS, "smollm2") is None
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2")["spec"]["replicas"] == 3
+    assert ie(kube)["status"]["autoscaler"]["desiredReplicas"] == 3
+    wish["n"] = 99
+    rec.reconcile(ie(kube))
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2")["spec"]["replicas"] == 5  # clamped
+
+
+def test_invalid_spec_is_degraded_not_crashing(kube, rec):
+    make_ie(kube, {"model": {}, "build": {}})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED and out.hash is None
+    assert cond(ie(kube), "Degraded")["reason"] == "InvalidSpec"
+
+
+def test_missing_existing_claim_degrades(kube, rec):
+    make_ie(kube, {**SPEC, "storage": {"claimName": "mine", "create": False}})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED and kube.list("batch/v1", "Job", NS) == []
+    assert cond(ie(kube), "Degraded")["reason"] == "ClaimNotFound"
+
+
+def test_job_state():
+    assert job_state(None)[0] == "Pending"
+    assert job_state({"status": {"active": 1}})[0] == "Running"
+    assert job_state({"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]}})[:2] \
+        == ("Failed", "DeadlineExceeded")
