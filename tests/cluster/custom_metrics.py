@@ -160,7 +160,7 @@ class Handler(BaseHTTPRequestHandler):
         m = _OBJECT_RE.match(path)
         if not m:
             return self._status(404, f"no such path {path}")
-        ns, resource, name, metric = m.groups()
+        ns, resource, name, metric = (urllib.parse.unquote(g) for g in m.groups())
         try:
             items = self._items(ns, _resource(resource), name, metric, query.get("labelSelector", [""])[0])
         except Exception as exc:  # an API server error becomes a 500 the HPA reports

@@ -84,7 +84,7 @@ needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary (bash tests
 
 
 def render(*sets, namespace="kiln-system"):
-    args = [HELM, "template", "kiln", str(CHART), "--namespace", namespace]
+    args = [HELM, "template", "kiln", str(CHART), "--namespace", namespace, "--kube-version", "1.36.0"]
     for s in sets:
         args += ["--set", s]
     r = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -94,7 +94,7 @@ def render(*sets, namespace="kiln-system"):
 
 @needs_helm
 def test_lint():
-    r = subprocess.run([HELM, "lint", str(CHART), "--strict"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([HELM, "lint", str(CHART), "--strict", "--kube-version", "1.36.0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -142,5 +142,5 @@ def test_optional_pieces_render():
 
 @needs_helm
 def test_typo_in_values_fails_the_render():
-    r = subprocess.run([HELM, "template", "kiln", str(CHART), "--set", "replicaCont=2"], capture_output=True, text=True)
+    r = subprocess.run([HELM, "template", "kiln", str(CHART), "--kube-version", "1.36.0", "--set", "replicaCont=2"], capture_output=True, text=True)
     assert r.returncode != 0 and "replicaCont" in r.stderr

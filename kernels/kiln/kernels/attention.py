@@ -92,6 +92,7 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
+    F16_DOT: tl.constexpr,  # fp8 cache: run both products in float16 (one cvt from e4m3)
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,6 +126,8 @@ def _paged_attn_kernel(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    if F16_DOT:
+        q = q.to(tl.float16)
 
     # keys this q-block can see: 0 .. position of its last query token
     kv_end = ctx - q_len + tl.minimum(q_len, q_local0 + BLOCK_Q)
@@ -322,6 +325,7 @@ def paged_attention(
     else:
         part_acc = part_m = part_l = out  # unused
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
 
     _paged_attn_kernel[(grid0, Hkv, splits)](
         q, k_cache, v_cache, out,
@@ -336,7 +340,7 @@ def paged_attention(
         Hq * splits, splits,
         G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         NUM_SPLITS=splits, IS_DECODE=decode,
-        K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec,
+        K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

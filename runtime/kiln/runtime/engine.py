@@ -213,6 +213,11 @@ class LLMEngine:
                 generator=gen, logprobs=[] if params.logprobs is not None else None,
             ))
         parent = _Parent(request_id, text, list(ids), params, arrival, children)
+        try:
+            for c in children:  # validate every child before queueing any of them
+                self.scheduler.check_request(c.request)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
         for c in children:
             self.scheduler.add_request(c.request)
         self._parents[request_id] = parent
@@ -230,6 +235,9 @@ class LLMEngine:
             self._child_of.pop(c.request.request_id, None)
             if c.finish_reason is None:
                 c.finish_reason = "abort"
+        if self.stat_logger:
+            self.stat_logger.on_finish(time.monotonic() - parent.arrival_time, len(parent.prompt_token_ids),
+                                       sum(c.request.num_output_tokens for c in parent.children), "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -261,14 +269,16 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         num_gen = 0
+        num_prompt = 0
         for rid, tok in res.sampled.items():
             parent, child = self._child_of[rid]
             num_gen += 1
+            if child.first_token_time is None and child.index == 0:
+                num_prompt += len(parent.prompt_token_ids)
             self._on_token(parent, child, tok, res.logprobs.get(rid), now)
             touched[parent.request_id] = parent
         if self.stat_logger:
-            self.stat_logger.on_step(out.num_batched_tokens - num_gen if hasattr(out, "num_batched_tokens") else 0,
-                                     num_gen)
+            self.stat_logger.on_step(num_prompt, num_gen)
         outputs = [self._make_output(p) for p in touched.values()]
         for p in touched.values():
             if p.finished:

@@ -1,0 +1,1 @@
+"""``kiln serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn) around one engine."""

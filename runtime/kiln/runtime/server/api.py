@@ -1,0 +1,346 @@
+"""The FastAPI application: OpenAI-compatible endpoints, health, readiness and metrics.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+input (malformed JSON and wrong types included; the message carries the real numbers),
+401 for a missing or wrong API key, 500/503 when the engine is broken or not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..engine import InvalidRequestError, LLMEngine
+from ..outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from .async_engine import AsyncEngine
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, etype: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, etype: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, etype, code), status_code=status)
+
+
+def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', msg)}"
+        got = err.get("input")
+        got_s = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        parts.append(f"{loc or 'body'}: {msg}{got_s}")
+    return "; ".join(parts) or "invalid request"
+
+
+def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True) -> FastAPI:
+    """Create the app around a loaded engine.
+
+    Args:
+        engine: the loaded :class:`LLMEngine` (its model is already in memory).
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        warmup: run one request through the engine before ``/ready`` turns true.
+    """
+    metrics = Metrics(engine.served_model_name)
+    engine.stat_logger = metrics
+    aengine = AsyncEngine(engine)
+    model_names = {engine.served_model_name, engine.model_ref}
+    created = int(time.time())
+
+    # Refresh gauges after every step.
+    orig_step = engine.step
+
+    def step_with_gauges() -> list[RequestOutput]:
+        outs = orig_step()
+        metrics.update_gauges(engine.scheduler)
+        return outs
+
+    engine.step = step_with_gauges  # type: ignore[method-assign]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        if warmup:
+            await aengine.warmup()
+        else:
+            aengine.ready = True
+        log.info("kiln server ready: model %s", engine.served_model_name)
+        yield
+        await aengine.stop()
+
+    app = FastAPI(title="Kiln", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.async_engine = aengine
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        return _error(400, _validation_message(exc))
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(request: Request, exc: InvalidRequestError):
+        return _error(400, str(exc))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), api_key.encode()):
+                return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                              "authentication_error", "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if aengine.errored is not None:
+            return _error(500, f"engine failed: {aengine.errored!r}", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if aengine.ready and aengine.errored is None:
+            return {"status": "ready", "model": engine.served_model_name}
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": engine.served_model_name, "object": "model", "created": created, "owned_by": "kiln",
+            "max_model_len": engine.max_model_len,
+        }]}
+
+    def _check_model(name: str | None) -> None:
+        if name and name not in model_names:
+            raise InvalidRequestError(f"model {name!r} does not exist; this server serves {engine.served_model_name!r}")
+
+    async def _parse(request: Request, cls):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"malformed JSON body: {e}") from e
+        if not isinstance(body, dict):
+            raise InvalidRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            raise InvalidRequestError(_validation_message(e)) from e
+
+    async def _collect(gen: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
+        """Drain a generation, aborting it if the client disconnects."""
+        last = None
+        it = gen.__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            while not nxt.done():
+                done, _ = await asyncio.wait({nxt}, timeout=1.0)
+                if not done and await request.is_disconnected():
+                    nxt.cancel()
+                    await it.aclose()
+                    raise asyncio.CancelledError("client disconnected")
+            try:
+                last = nxt.result()
+            except StopAsyncIteration:
+                return last
+
+    async def _start(prompt, params, rid: str) -> AsyncIterator[RequestOutput]:
+        """Submit and wait until the engine accepted the request (so 400s surface here)."""
+        gen = aengine.generate(prompt, params, rid)
+        first = await gen.__anext__()
+
+        async def chained():
+            yield first
+            async for o in gen:
+                yield o
+        return chained()
+
+    # ---- /v1/completions -------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        _check_model(req.model)
+        try:
+            params = req.to_sampling_params()
+            prompts = req.prompts()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        if req.stream and len(prompts) > 1:
+            pass
+        base = f"cmpl-{uuid.uuid4().hex}"
+        gens = []
+        try:
+            for i, p in enumerate(prompts):
+                gens.append(await _start(p, params, f"{base}-{i}"))
+        except BaseException:
+            for g in gens:
+                await g.aclose()
+            raise
+        model = req.model or engine.served_model_name
+        if req.stream:
+            return StreamingResponse(_stream_completions(base, model, gens, params.n, req), media_type="text/event-stream")
+        finals = await asyncio.gather(*(_collect(g, request) for g in gens))
+        choices, ptoks, ctoks = [], 0, 0
+        for pi, out in enumerate(finals):
+            ptoks += len(out.prompt_token_ids)
+            for c in out.outputs:
+                ctoks += len(c.token_ids)
+                choices.append({"index": pi * params.n + c.index, "text": c.text,
+                                "logprobs": _completion_logprobs(c.logprobs, engine) if req.logprobs is not None else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices,
+                "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+
+    async def _stream_completions(base, model, gens, n, req: CompletionRequest):
+        created_ts = int(time.time())
+        queue: asyncio.Queue = asyncio.Queue()
+        ptoks = ctoks = 0
+
+        async def pump(pi, g):
+            try:
+                async for o in g:
+                    await queue.put((pi, o))
+            finally:
+                await queue.put((pi, None))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        remaining = len(gens)
+        try:
+            while remaining:
+                pi, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                    continue
+                if out.finished:
+                    ptoks += len(out.prompt_token_ids)
+                for c in out.outputs:
+                    if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
+                        continue
+                    if out.finished:
+                        ctoks += len(c.token_ids)
+                    if not c.delta_text and c.finish_reason is None:
+                        continue
+                    chunk = {"id": base, "object": "text_completion", "created": created_ts, "model": model,
+                             "choices": [{"index": pi * n + c.index, "text": c.delta_text,
+                                          "logprobs": _completion_logprobs(c.delta_logprobs, engine) if req.logprobs is not None else None,
+                                          "finish_reason": c.finish_reason if out.finished or c.finish_reason else None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            if req.stream_options and req.stream_options.include_usage:
+                usage = {"id": base, "object": "text_completion", "created": created_ts, "model": model, "choices": [],
+                         "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                await g.aclose()
+
+    # ---- /v1/chat/completions --------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        _check_model(req.model)
+        try:
+            params = req.to_sampling_params()
+            conv = req.conversation()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        prompt_ids = engine.apply_chat_template(conv)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = await _start(prompt_ids, params, rid)
+        model = req.model or engine.served_model_name
+        if req.stream:
+            return StreamingResponse(_stream_chat(rid, model, gen, params.n, req), media_type="text/event-stream")
+        out = await _collect(gen, request)
+        ctoks = sum(len(c.token_ids) for c in out.outputs)
+        ptoks = len(out.prompt_token_ids)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c.logprobs, engine) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices,
+                "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+
+    async def _stream_chat(rid, model, gen, n, req: ChatCompletionRequest):
+        created_ts = int(time.time())
+        started = set()
+        final = None
+        try:
+            for i in range(n):
+                started.add(i)
+                head = {"id": rid, "object": "chat.completion.chunk", "created": created_ts, "model": model,
+                        "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}
+                yield f"data: {json.dumps(head)}\n\n"
+            async for out in gen:
+                final = out
+                for c in out.outputs:
+                    if not c.delta_text and not c.finish_reason:
+                        continue
+                    if not c.delta_text and c.finish_reason and not c.delta_token_ids and not out.finished:
+                        continue
+                    choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                              "logprobs": _chat_logprobs(c.delta_logprobs, engine) if req.logprobs else None,
+                              "finish_reason": c.finish_reason}
+                    yield f"data: {json.dumps({'id': rid, 'object': 'chat.completion.chunk', 'created': created_ts, 'model': model, 'choices': [choice]})}\n\n"
+            if req.stream_options and req.stream_options.include_usage and final is not None:
+                ctoks = sum(len(c.token_ids) for c in final.outputs)
+                ptoks = len(final.prompt_token_ids)
+                usage = {"id": rid, "object": "chat.completion.chunk", "created": created_ts, "model": model,
+                         "choices": [], "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks,
+                                                  "total_tokens": ptoks + ctoks}}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()
+
+    return app
+
+
+def _completion_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    tok = engine.tokenizer
+    return {
+        "tokens": [tok.decode([x.token_id]) for x in lps],
+        "token_logprobs": [x.logprob for x in lps],
+        "top_logprobs": [{t.decoded: t.logprob for t in x.top} for x in lps],
+        "text_offset": [],
+    }
+
+
+def _chat_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    tok = engine.tokenizer
+    content = []
+    for x in lps:
+        s = tok.decode([x.token_id])
+        content.append({"token": s, "logprob": x.logprob, "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": t.decoded, "logprob": t.logprob,
+                                          "bytes": list(t.decoded.encode("utf-8"))} for t in x.top]})
+    return {"content": content}

@@ -1,0 +1,134 @@
+"""OpenAI request bodies (pydantic) and their translation to :class:`SamplingParams`.
+
+Field names and meanings follow OpenAI's Completions and Chat Completions APIs, plus the
+extra sampling fields vLLM accepts (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
+        """Raises ValueError (-> HTTP 400) for out-of-range values."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token
+    ids, or a list of token-id lists."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def to_sampling_params(self, default_max_tokens: int | None = 16) -> SamplingParams:
+        return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt(s) as a list; raises ValueError for an empty one."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[Any] = [p]
+        elif not p:
+            raise ValueError("prompt must not be empty")
+        elif isinstance(p[0], int):
+            out = [p]
+        else:
+            out = list(p)
+        for x in out:
+            if (isinstance(x, str) and x == "") or (isinstance(x, list) and not x):
+                raise ValueError("prompt must not be empty")
+        return out
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; parts of type "text" are concatenated.  Raises ValueError
+        for non-text parts (this runtime serves text models)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"unsupported content part type {part.get('type')!r}: only text is supported")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        lp = (self.top_logprobs or 0) if self.logprobs else None
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self._sampling(mt, lp, default_max_tokens)
+
+    def conversation(self) -> list[dict[str, str]]:
+        conv = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            conv.append({"role": role, "content": m.text()})
+        return conv
