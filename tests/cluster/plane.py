@@ -161,7 +161,7 @@ class Plane:
     # -- lifecycle -----------------------------------------------------------------------------
     def pids(self) -> dict[str, int]:
         """Running processes of this plane, by component."""
-        marker = str(self.dir)
+        marker = str(self.dir) + "/"
         return {c: p for c, p in self.state.get("pids", {}).items() if _alive(p, marker)}
 
     def is_healthy(self) -> bool:
@@ -314,7 +314,8 @@ class Plane:
 
     def _wait_ready(self) -> None:
         def nodes_ready() -> bool:
-            items = json.loads(self.kubectl("get", "nodes", "-l", f"{KWOK_NODE_LABEL}=kwok", "-o", "json"))["items"]
+            out = self.kubectl("get", "nodes", "-l", f"{KWOK_NODE_LABEL}=kwok", "-o", "json", check=False)
+            items = json.loads(out or '{"items": []}')["items"]
             ready = [n for n in items if any(c["type"] == "Ready" and c["status"] == "True"
                                              for c in n.get("status", {}).get("conditions", []))]
             return len(ready) == self.num_gpu_nodes
@@ -331,8 +332,9 @@ class Plane:
 
         self._wait("APIService v1beta2.custom.metrics.k8s.io Available", metrics_api, 60, "custom-metrics")
 
-    def down(self, quiet: bool = False) -> None:
-        """Stops this plane's processes (newest first) and removes its etcd data."""
+    def down(self, quiet: bool = False, remove: bool = False) -> None:
+        """Stops this plane's processes (newest first) and removes its etcd data (its whole folder
+        with remove=True)."""
         running = self.pids()
         for comp in reversed(COMPONENTS):
             if comp in running:
@@ -341,14 +343,20 @@ class Plane:
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 3  # then SIGKILL: the data goes anyway, and a clean stop takes 10 s
-        marker = str(self.dir)
+        marker = str(self.dir) + "/"
         while time.monotonic() < deadline and any(_alive(p, marker) for p in running.values()):
             time.sleep(0.1)
         for p in running.values():
             if _alive(p, marker):
                 os.kill(p, signal.SIGKILL)
-        subprocess.run(["rm", "-rf", str(self.dir / "etcd")], check=False)
-        if self.state:
+        for proc in self._procs.values():  # reap our own children
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        subprocess.run(["rm", "-rf", str(self.dir if remove else self.dir / "etcd")], check=False)
+        if self.state and not remove:
             self.state.update(pids={}, ready=False)
             self._save()
         if running and not quiet:
@@ -358,6 +366,15 @@ class Plane:
         return {"name": self.name, "dir": str(self.dir), "healthy": self.is_healthy(),
                 "running": sorted(self.pids()), "ports": self.state.get("ports", {}),
                 "kubeconfig": self.kubeconfig}
+
+
+def reap_stale(prefix: str, home: Path = PLANES_HOME) -> None:
+    """Stops and removes planes named <prefix><pid> whose owning process (pid) is gone: what a
+    killed test run left behind."""
+    for d in Path(home).glob(f"{prefix}*"):
+        pid = d.name[len(prefix):]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            Plane(d.name, home=Path(home)).down(quiet=True, remove=True)
 
 
 def gpu_node(name: str, gpus: int, labels: dict[str, str] | None = None) -> dict:

@@ -1,9 +1,10 @@
 """Pytest fixtures for tests that need the control plane (registered by the root conftest.py).
 
-- `kube_plane` (session): the plane named $KILN_PLANE (default "pytest"); reused when it already
-  runs healthy, else started (building the binaries first if they are missing) and stopped at the
-  end of the run unless KILN_PLANE_KEEP=1 or it was already running. When the binaries are not
-  built it skips (run `make cluster-build`), unless CI=true or KILN_PLANE_BUILD=1: then it builds.
+- `kube_plane` (session): a private plane "pytest-<pid>" for this run, started (~10 s) and removed
+  at the end, so concurrent runs never share one. With KILN_PLANE=<name> (e.g. "dev", started by
+  `make cluster-up`) it uses that plane instead, starting it if needed and stopping it at the end
+  only if this run started it. KILN_PLANE_KEEP=1 keeps whatever it started. When the binaries are
+  not built it skips (run `make cluster-build`), unless CI=true or KILN_PLANE_BUILD=1: it builds.
 - `namespace` (function): a fresh namespace whose default ServiceAccount exists; deleted after.
 
 Mark such tests `@pytest.mark.cluster`.
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plane import Plane, bin_dir  # noqa: E402
+from plane import Plane, bin_dir, reap_stale  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,14 +33,16 @@ def kube_plane():
         bins = bin_dir(build=build)
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    plane = Plane(os.environ.get("KILN_PLANE", "pytest"),
+    named = os.environ.get("KILN_PLANE")
+    reap_stale("pytest-")
+    plane = Plane(named or f"pytest-{os.getpid()}",
                   num_gpu_nodes=int(os.environ.get("KILN_PLANE_GPU_NODES", "2")),
                   gpus_per_node=int(os.environ.get("KILN_PLANE_GPUS_PER_NODE", "4")), bin=bins)
     started = not plane.is_healthy()
     plane.up()
     yield plane
     if started and os.environ.get("KILN_PLANE_KEEP") != "1":
-        plane.down()
+        plane.down(remove=not named)
 
 
 @pytest.fixture

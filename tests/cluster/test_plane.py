@@ -56,6 +56,11 @@ def test_versions_are_the_pinned_release(kube_plane):
     assert helm.stdout.startswith("v3.")
 
 
+def test_plane_started_from_the_cache_within_30_s(kube_plane):
+    # started_s is measured by Plane.up (etcd to every readiness check); absent for a reused plane.
+    assert kube_plane.state.get("started_s", 0) < 30
+
+
 def test_gpu_nodes_are_ready_with_capacity(kube_plane):
     nodes = kube_plane.kubectl_json("get", "nodes", "-l", f"{KWOK_NODE_LABEL}=kwok")["items"]
     assert len(nodes) == kube_plane.num_gpu_nodes
@@ -218,7 +223,7 @@ def test_helm_installs_a_chart(kube_plane, namespace, tmp_path):
     subprocess.run([kube_plane.helm_bin, "create", str(tmp_path / "demo")], check=True, env=env, capture_output=True)
     r = subprocess.run([kube_plane.helm_bin, "install", "demo", str(tmp_path / "demo"), "-n", namespace,
                         "--wait", "--timeout", "90s"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "STATUS: deployed" in r.stdout
-    dep = kube_plane.kubectl_json("get", "deployment", "demo", "-n", namespace)
-    assert dep["status"].get("readyReplicas") == 1
+    assert r.returncode == 0 and "STATUS: deployed" in r.stdout, r.stdout + r.stderr
+    # helm --wait reads the ReplicaSet; the Deployment's status follows a moment later.
+    wait_for("Deployment demo ready", lambda: kube_plane.kubectl_json(
+        "get", "deployment", "demo", "-n", namespace)["status"].get("readyReplicas") == 1, 30)

@@ -87,10 +87,10 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt,
-    stride_pt, stride_ph,  # partials [T, Hq, NUM_SPLITS, (BLOCK_D)], split stride implied
+    stride_pt, stride_ph,  # partials: row (t, h, split) = t * stride_pt + h * stride_ph + split
     G: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, PART_STRIDE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: run both products in float16 (one cvt from e4m3)
 ):
@@ -183,17 +183,17 @@ def _paged_attn_kernel(
             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        prow = tok * stride_pt + head * stride_ph + split  # index into [T, Hq, NUM_SPLITS]
+        prow = (tok * stride_pt + head * stride_ph + split) * PART_STRIDE  # row of [T * Hq * NUM_SPLITS]
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + prow[:, None] + d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_ot, stride_oh, stride_pt, stride_ph, head_dim,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, PART_STRIDE: tl.constexpr,
 ):
     """out[t, h] = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i  (flash-decoding reduce)."""
     t = tl.program_id(0).to(tl.int64)
@@ -201,7 +201,7 @@ def _merge_splits_kernel(
     sp = tl.arange(0, SPLITS_P2)
     sp_ok = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
-    prow = t * stride_pt + h * stride_ph + sp
+    prow = (t * stride_pt + h * stride_ph + sp) * PART_STRIDE
     m = tl.load(part_m_ptr + prow, mask=sp_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + prow, mask=sp_ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -209,7 +209,7 @@ def _merge_splits_kernel(
     w = tl.where(sp_ok, tl.math.exp2(m - m_max), 0.0)
     denom = tl.sum(w * l, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    acc = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + prow[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
@@ -299,7 +299,7 @@ def paged_attention(
 
     G = Hq // Hkv
     decode = max_query_len == 1 if max_query_len is not None else T == S
-    cfg = attention_config("decode" if decode else "prefill")
+    cfg = attention_config(("decode_fp8" if fp8 else "decode") if decode else "prefill")
     if config:
         cfg.update(config)
     BLOCK_D = max(16, next_power_of_2(D))
@@ -318,10 +318,12 @@ def paged_attention(
 
     ks = scale_args(k_scale if fp8 else None, Hkv, q, "k_scale")
     vs = scale_args(v_scale if fp8 else None, Hkv, q, "v_scale")
-    if splits > 1:
-        part_acc = torch.empty(T, Hq, splits, BLOCK_D, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
+    part_stride = BLOCK_D + 4  # floats per partial row; a multiple of 4 keeps rows 16-byte aligned
+    if splits > 1:  # one allocation: rows [acc (BLOCK_D) | m | l | pad] per (token, head, split)
+        part = torch.empty(T * Hq * splits, part_stride, dtype=torch.float32, device=q.device)
+        part_acc = part[:, :BLOCK_D]
+        part_m = part[:, BLOCK_D]
+        part_l = part[:, BLOCK_D + 1]
     else:
         part_acc = part_m = part_l = out  # unused
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -339,7 +341,7 @@ def paged_attention(
         block_tables.stride(0),
         Hq * splits, splits,
         G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        NUM_SPLITS=splits, IS_DECODE=decode,
+        NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
         K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -347,7 +349,7 @@ def paged_attention(
         _merge_splits_kernel[(T, Hq)](
             out, part_acc, part_m, part_l,
             out.stride(0), out.stride(1), Hq * splits, splits, D,
-            NUM_SPLITS=splits, SPLITS_P2=next_power_of_2(splits), BLOCK_D=BLOCK_D,
+            NUM_SPLITS=splits, SPLITS_P2=next_power_of_2(splits), BLOCK_D=BLOCK_D, PART_STRIDE=part_stride,
             num_warps=1 if BLOCK_D * splits <= 1024 else 4,
         )
     return out

@@ -59,20 +59,28 @@ def row_warps(num_elements: int) -> int:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_context: Optional[int] = None) -> int:
     """Flash-decoding splits of the context so that the grid fills the GPU.
 
-    Depends only on the batch shape (and an optional upper bound of the context), never on
+    The largest power of two not above ``SMs * programs_per_sm / (num_seqs * num_kv_heads)``,
+    clamped to ``[min_splits, max_splits]`` (``tuning.DECODE_SPLIT``); with ``max_context``
+    no split is shorter than ``min_tokens_per_split``.  Depends only on host ints, never on
     device data, so it is fixed for a CUDA graph captured at one batch size.
     """
     cfg = tuning.DECODE_SPLIT
     programs = max(num_seqs * num_kv_heads, 1)
-    want = num_sms(device) * cfg["programs_per_sm"]
-    splits = max(1, -(-want // programs))
+    raw = num_sms(device) * cfg["programs_per_sm"] / programs
+    splits = 1 << max(0, int(raw).bit_length() - 1) if raw >= 1 else 1
+    splits = max(cfg["min_splits"], min(splits, cfg["max_splits"]))
     if max_context is not None:
         splits = min(splits, max(1, max_context // cfg["min_tokens_per_split"]))
-    return int(min(splits, cfg["max_splits"]))
+    if interpreting():
+        splits = min(splits, 2)  # the CPU interpreter runs programs one by one
+    return int(splits)
 
 
 def attention_config(kind: str) -> dict:
-    """Meta-parameters for the paged attention kernel: ``kind`` is "decode" or "prefill"."""
+    """Meta-parameters for the paged attention kernel (a fresh dict).
+
+    ``kind``: "decode", "decode_fp8" or "prefill" (keys of ``tuning.ATTENTION``).
+    """
     if interpreting():
         return dict(tuning.ATTENTION["interpreter"])
     return dict(tuning.ATTENTION[kind])

@@ -26,9 +26,9 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_s
     if k is not None:
         k.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    if k_scale is not None:
-        key = key.float() / k_scale
-        value = value.float() / v_scale
+    if k_scale is not None:  # clamp: casting past +-448 to float8_e4m3fn gives NaN
+        key = (key.float() / k_scale).clamp(-448.0, 448.0)
+        value = (value.float() / v_scale).clamp(-448.0, 448.0)
     torch_backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -30,6 +30,10 @@ def write_kv_cache(
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if flat_k.dtype == torch.float8_e4m3fn:  # CPU index_copy_ lacks fp8: copy the bytes
+        flat_k.view(torch.uint8).index_copy_(0, slot_mapping, key.to(flat_k.dtype).view(torch.uint8))
+        flat_v.view(torch.uint8).index_copy_(0, slot_mapping, value.to(flat_v.dtype).view(torch.uint8))
+        return
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 

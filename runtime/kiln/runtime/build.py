@@ -1,0 +1,364 @@
+"""``kiln build``: quantize and compile a model into a content-addressed engine folder.
+
+The engine hash comes from ``kiln.runtime.enginespec`` (torch-free, shared with the operator)
+over the normalized build spec, so ``kiln build`` and the operator always agree on an
+engine's path.  The build runs in a temporary folder next to ``--output`` and is renamed into
+place only when complete (manifest, weights, tokenizer, completion marker), so a failed,
+interrupted or racing build never leaves a half-written engine at the path: when two builders
+race for the same hash, the first rename wins and the other discards its copy.
+
+Exit codes of ``run_build``: 0 built (or already present), 2 bad input (unknown method, bad
+group size, unsupported architecture, missing/corrupt source), 1 the build failed (read-only
+or full output, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .enginespec import (
+    BUILD_DEFAULTS,
+    COMPLETE_MARKER,
+    ENGINE_FORMAT_VERSION,
+    KV_CACHE_DTYPES,
+    MANIFEST_FILENAME,
+    QUANTIZATION_METHODS,
+    BuildSpec,
+    EngineSpecError,
+    is_engine_complete,
+)
+
+MAX_SHARD_BYTES = 4 << 30  # weights per safetensors file
+BUILDER_VERSION = "kiln-build/1"
+
+
+class BuildError(RuntimeError):
+    """The build could not finish (output not writable, disk full, a lost race to a
+    different engine).  Nothing is left at the engine path."""
+
+
+class BadInputError(ValueError):
+    """The build's input is invalid (spec, source, architecture).  Exit code 2."""
+
+
+@dataclass
+class BuildResult:
+    """Outcome of a build: ``path`` (the engine), ``engine_hash``, ``status`` ("built",
+    "exists": a complete engine of this hash was already there, "raced": another builder
+    finished the same engine first), ``seconds``."""
+
+    path: Path
+    engine_hash: str
+    status: str
+    seconds: float
+
+
+Progress = Callable[[str], None]
+
+
+def _stderr_progress(msg: str) -> None:
+    print(f"kiln build: {msg}", file=sys.stderr, flush=True)
+
+
+def source_checksum(src) -> str:
+    """``sha256:<hex>`` of a resolved source: the GGUF file's bytes, or for a Hugging Face
+    folder the sha256 of ``name sha256`` lines of its config.json and *.safetensors."""
+    from .engine_format import sha256_file  # noqa: PLC0415
+
+    if src.kind == "gguf":
+        return "sha256:" + sha256_file(src.path)
+    import hashlib  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    for f in sorted([src.path / "config.json", *src.path.glob("*.safetensors")]):
+        h.update(f"{f.name} {sha256_file(f)}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.iterdir()):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_weights(tensors: dict, out: Path, meta: dict[str, str]) -> list[dict]:
+    """Write sorted tensors into ≤4 GiB safetensors shards; returns the manifest entries."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from .engine_format import sha256_file  # noqa: PLC0415
+
+    names = sorted(tensors)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        b = tensors[n].numel() * tensors[n].element_size()
+        if shards[-1] and size + b > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += b
+    entries = []
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in shard}, str(out / fname), metadata=meta)
+        entries.append({"name": fname, "bytes": (out / fname).stat().st_size, "sha256": sha256_file(out / fname),
+                        "num_tensors": len(shard)})
+    return entries
+
+
+def _engine_tensors(model, store_dtype) -> dict:
+    """The model's state dict as engine tensors on the CPU: float weights in ``store_dtype``,
+    quantized buffers and scales as they are; the tied LM head is left out."""
+    import torch  # noqa: PLC0415
+
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        t = t.detach().cpu()
+        is_scale = name.endswith(("weight_scale", "scales", "smooth_inv"))
+        if t.dtype == torch.float32 and not is_scale:
+            t = t.to(store_dtype)
+        out[name] = t.contiguous()
+    return out
+
+
+def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, device: str = "auto",
+                 progress: Progress | None = None) -> BuildResult:
+    """Build the engine of ``spec`` from ``model_src`` into ``output``.
+
+    Args:
+        spec: the normalized build spec (its hash names the engine).
+        model_src: the source as given to ``--model`` (``builtin:...``, .gguf, HF folder).
+        output: the engine folder to create (usually ``<cache>/<hash>``).
+        device: where to run calibration and quantization math (auto, cpu, cuda).
+        progress: receives one-line progress messages.
+    Raises:
+        BadInputError: unsupported architecture, missing or corrupt source, a group size that
+            does not divide a layer, a checksum that does not match.
+        BuildError: the output cannot be written (read-only, disk full) or lost a race to a
+            different engine.
+    """
+    t0 = time.perf_counter()
+    say = progress or (lambda m: None)
+    out = Path(output).expanduser().absolute()
+    h = spec.hash()
+    if out.exists():
+        if is_engine_complete(str(out), h):
+            say(f"engine {h} already built at {out}")
+            return BuildResult(out, h, "exists", time.perf_counter() - t0)
+        if out.is_dir() and not any(out.iterdir()):
+            pass  # an empty folder (e.g. a mount point's child) is replaced by the rename
+        else:
+            raise BuildError(f"{out} exists and is not a complete engine with hash {h}; remove it or pick another --output")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise BuildError(f"cannot write under {out.parent}: {e.strerror or e} (read-only or missing output location?)") from e
+    try:
+        _build_into(spec, model_src, tmp, h, device, say)
+        say("finalizing")
+        (tmp / COMPLETE_MARKER).write_text(f"{h}\n")
+        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        _fsync_tree(tmp)
+        try:
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            os.rename(tmp, out)
+        except OSError as e:
+            if is_engine_complete(str(out), h):  # another builder won the race: same engine
+                say(f"another builder finished engine {h} first; keeping its copy")
+                return BuildResult(out, h, "raced", time.perf_counter() - t0)
+            raise BuildError(f"cannot move the finished engine into {out}: {e.strerror or e}") from e
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise BuildError(f"no space left on the device while writing the engine under {out.parent}; "
+                             f"nothing was left at {out}") from e
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise BuildError(f"cannot write the engine under {out.parent}: {e.strerror} (read-only?)") from e
+        raise BuildError(f"writing the engine failed: {e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    secs = time.perf_counter() - t0
+    say(f"engine {h} written to {out} in {secs:.1f}s")
+    return BuildResult(out, h, "built", secs)
+
+
+def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str, say: Progress) -> None:
+    import torch  # noqa: PLC0415
+
+    from . import loader  # noqa: PLC0415
+    from .model.config import ModelConfig, UnsupportedModelError  # noqa: PLC0415
+    from .model.llama import LlamaForCausalLM  # noqa: PLC0415
+    from .model_runner import resolve_device  # noqa: PLC0415
+    from .quantization import QuantizationError, QuantSettings, get_handler  # noqa: PLC0415
+    from .quantization import calibration, kv_fp8  # noqa: PLC0415
+
+    threads = int(os.environ.get("KILN_CPU_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        src = loader.resolve_source(model_src)
+        say(f"source {src.ref} ({src.kind}: {src.path}); hashing")
+        checksum = source_checksum(src)
+        if spec.source.checksum and spec.source.checksum.lower() != checksum:
+            raise BadInputError(f"source checksum mismatch: expected {spec.source.checksum}, the source has {checksum}")
+        hf = loader.materialize_gguf(src)
+        cfg_dict = loader.load_hf_config_dict(hf)
+        cfg = ModelConfig.from_hf_dict(cfg_dict)
+        tok = loader.load_tokenizer(hf)
+    except (loader.ModelSourceError, UnsupportedModelError) as e:
+        raise BadInputError(str(e)) from e
+    settings = QuantSettings(method=spec.quantization, group_size=spec.group_size, alpha=float(spec.smoothquant_alpha))
+    dev = resolve_device(device)
+    try:
+        handler = get_handler(settings)
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg).float()
+        model.eval()
+        handler.check(model)
+    except QuantizationError as e:
+        raise BadInputError(str(e)) from e
+    say(f"loading weights of {cfg.model_type} ({cfg.num_params() / 1e6:.0f}M parameters) on {dev}")
+    try:
+        loaded = model.load_weights(loader.iter_weights(hf))
+    except (ValueError, RuntimeError) as e:
+        raise BadInputError(f"corrupt or mismatched source {src.ref}: {e}") from e
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise BadInputError(f"corrupt source {src.ref}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    kv = spec.kv_cache_dtype == "fp8"
+    samples = None
+    calib_info = None
+    if handler.needs_calibration or kv:
+        samples = calibration.calibration_samples(tok, spec.calibration_samples)
+        text_path = calibration.data_path("calibration.txt")
+        from .engine_format import sha256_file  # noqa: PLC0415
+
+        calib_info = {"text": "kiln/runtime/data/calibration.txt", "text_sha256": sha256_file(text_path),
+                      "samples_requested": spec.calibration_samples, "samples_used": len(samples),
+                      "sample_tokens": calibration.SAMPLE_TOKENS}
+        if len(samples) < spec.calibration_samples:
+            say(f"calibration text holds {len(samples)} samples of {calibration.SAMPLE_TOKENS} tokens; using all of them")
+    say(f"quantization {settings.method}" + (f", KV cache fp8" if kv else ""))
+    last = [0.0]
+
+    def layer_progress(stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done == total or now - last[0] > 2.0:
+            last[0] = now
+            say(f"{stage}: layer {done}/{total}")
+
+    with torch.no_grad():
+        kv_absmax = calibration.quantize_model(model, handler, samples, kv, layer_progress)
+
+    store_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.float32)
+    tensors = _engine_tensors(model, store_dtype)
+    if kv_absmax is not None:
+        tensors.update(kv_fp8.scale_tensors(kv_absmax))
+    say(f"writing {len(tensors)} tensors")
+    files = _save_weights(tensors, tmp, {"format": "pt", "kiln_engine_hash": h})
+    before = set(os.listdir(tmp))
+    tok.save_pretrained(str(tmp))
+    tok_files = sorted(set(os.listdir(tmp)) - before)
+    manifest = {
+        "format_version": ENGINE_FORMAT_VERSION,
+        "engine_hash": h,
+        "build_spec": spec.to_dict(),
+        "model": {"architecture": cfg.to_hf_dict()["architectures"][0], "config": cfg.to_hf_dict()},
+        "quantization": settings.to_manifest(),
+        "kv_cache_dtype": spec.kv_cache_dtype,
+        "limits": {"max_seq_len": spec.max_seq_len, "max_batch_size": spec.max_batch_size,
+                   "max_num_tokens": spec.max_num_tokens},
+        "weights": {"dtype": str(store_dtype).replace("torch.", ""), "files": files},
+        "tokenizer_files": tok_files,
+        "source": {"ref": src.ref, "kind": src.kind, "sha256": checksum},
+        "calibration": calib_info,
+        "builder": {"version": BUILDER_VERSION, "torch": torch.__version__.split("+")[0], "device": dev.type},
+    }
+    (tmp / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``kiln build``'s flags to ``parser`` (defaults equal ``enginespec.BUILD_DEFAULTS``)."""
+    d = BUILD_DEFAULTS
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                        help="builtin:<name>, a .gguf file or a Hugging Face folder (default: %(default)s)")
+    parser.add_argument("--output", required=True, help="engine folder to create (written atomically)")
+    parser.add_argument("--quantization", default=d["quantization"],
+                        help=f"one of {', '.join(QUANTIZATION_METHODS)} (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=d["groupSize"],
+                        help="int4 group size: 32, 64 or 128; must divide every layer's input features (default: %(default)s)")
+    parser.add_argument("--smoothquant-alpha", default=d["smoothquantAlpha"],
+                        help="SmoothQuant migration strength in [0, 1] (default: %(default)s)")
+    parser.add_argument("--kv-cache-dtype", default=d["kvCacheDtype"], help=f"one of {', '.join(KV_CACHE_DTYPES)}")
+    parser.add_argument("--calibration-samples", type=int, default=d["calibrationSamples"],
+                        help="calibration samples of 128 tokens from the shipped text (default: %(default)s)")
+    parser.add_argument("--max-seq-len", type=int, default=d["maxSeqLen"])
+    parser.add_argument("--max-batch-size", type=int, default=d["maxBatchSize"])
+    parser.add_argument("--max-num-tokens", type=int, default=d["maxNumTokens"])
+    parser.add_argument("--source-checksum", default=None,
+                        help="sha256:<hex> the source must have (part of the engine hash)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where calibration and quantization run (not part of the hash)")
+    parser.add_argument("--print-hash", action="store_true", help="print the engine hash and exit")
+    return parser
+
+
+def run_build(args: argparse.Namespace) -> int:
+    """Run ``kiln build`` from parsed arguments; prints progress to stderr and the engine
+    path to stdout.  Returns the exit code (0, 1 or 2; see the module doc)."""
+    try:
+        spec = BuildSpec.from_cli(
+            args.model, quantization=args.quantization, group_size=args.group_size,
+            smoothquant_alpha=args.smoothquant_alpha, kv_cache_dtype=args.kv_cache_dtype,
+            calibration_samples=args.calibration_samples, max_seq_len=args.max_seq_len,
+            max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+            checksum=args.source_checksum)
+    except EngineSpecError as e:
+        print(f"kiln build: error: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "print_hash", False):
+        print(spec.hash())
+        return 0
+    try:
+        res = build_engine(spec, args.model, args.output, device=args.device, progress=_stderr_progress)
+    except BadInputError as e:
+        print(f"kiln build: error: {e}", file=sys.stderr)
+        return 2
+    except BuildError as e:
+        print(f"kiln build: error: {e}", file=sys.stderr)
+        return 1
+    print(res.path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kiln.runtime.build ...`` (the same as ``kiln build ...``)."""
+    p = add_build_args(argparse.ArgumentParser(prog="kiln build", description=__doc__.splitlines()[0]))
+    return run_build(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""``kiln eval``: accuracy of a model or an engine.
+
+* ``kiln eval perplexity (--model SRC | --engine DIR) [--text FILE]`` prints perplexity and the
+  number of scored tokens.  The text is tokenized without special tokens and cut into
+  non-overlapping windows of ``--window`` tokens; every token but a window's first is scored
+  (``ppl = exp(sum NLL / count)``).  The forward pass is Kiln's own (paged KV cache included,
+  so an FP8 KV cache is measured too).  Default text: the shipped held-out text
+  (``data/heldout.txt``), disjoint from the calibration text.
+* ``kiln eval agreement A B [--text FILE]`` compares two models/engines (each a source or an
+  engine folder): teacher-forced top-1 agreement over the text, and greedy generations from
+  prompts cut from it (share of identical tokens, prompts identical to the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_WINDOW = 512
+
+
+@dataclass
+class PerplexityResult:
+    """``perplexity`` = exp(``nll`` / ``num_tokens``); ``num_tokens`` scored tokens;
+    ``nll`` summed negative log-likelihood in nats."""
+
+    perplexity: float
+    num_tokens: int
+    nll: float
+
+
+def _is_engine(ref: str) -> bool:
+    from .enginespec import MANIFEST_FILENAME  # noqa: PLC0415
+
+    return Path(ref).is_dir() and (Path(ref) / MANIFEST_FILENAME).is_file()
+
+
+def open_model(model: str | None = None, engine: str | None = None, device: str = "cpu", dtype: str = "auto",
+               window: int = DEFAULT_WINDOW, num_seqs: int = 1):
+    """An ``LLMEngine`` for a source or an engine folder, with a KV pool just large enough for
+    ``num_seqs`` sequences of ``window`` tokens (plus generation headroom)."""
+    from .config import EngineArgs  # noqa: PLC0415
+    from .engine import LLMEngine  # noqa: PLC0415
+
+    blocks = num_seqs * (math.ceil(window / 16) + 8)
+    return LLMEngine(EngineArgs(model=model, engine=engine, device=device, dtype=dtype, num_kv_blocks=blocks,
+                                max_num_seqs=max(num_seqs, 1), enable_cuda_graphs=False,
+                                max_num_batched_tokens=max(2048, window)))
+
+
+def read_text(path: str | None) -> str:
+    if path is None:
+        from .quantization.calibration import data_path  # noqa: PLC0415
+
+        return data_path("heldout.txt").read_text(encoding="utf-8")
+    return Path(path).read_text(encoding="utf-8")
+
+
+def score_windows(engine, ids: list[int], window: int = DEFAULT_WINDOW, want_argmax: bool = False):
+    """Teacher-forced pass over ``ids`` in windows of ``window`` tokens.
+
+    Returns:
+        (PerplexityResult, argmax predictions int64 [num_tokens] or None).
+    """
+    import torch  # noqa: PLC0415
+
+    from .quantization.calibration import single_sequence_meta  # noqa: PLC0415
+
+    runner = engine.runner
+    model = runner.model
+    nll, count = 0.0, 0
+    preds = []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start:start + window]
+            if len(chunk) < 2:
+                break
+            t = torch.tensor(chunk, dtype=torch.int64, device=runner.device)
+            pos = torch.arange(len(chunk), dtype=torch.int64, device=runner.device)
+            meta = single_sequence_meta(len(chunk), runner.block_size, runner.device)
+            hidden = model(t, pos, meta)
+            logits = model.compute_logits(hidden[:-1]).float()  # [n-1, vocab]
+            nll += float(torch.nn.functional.cross_entropy(logits, t[1:], reduction="sum"))
+            count += len(chunk) - 1
+            if want_argmax:
+                preds.append(logits.argmax(-1).cpu())
+    res = PerplexityResult(math.exp(nll / max(count, 1)), count, nll)
+    return res, (torch.cat(preds) if want_argmax else None)
+
+
+def perplexity(model: str | None = None, engine: str | None = None, text: str | None = None,
+               max_tokens: int | None = None, window: int = DEFAULT_WINDOW, device: str = "cpu",
+               dtype: str = "auto") -> PerplexityResult:
+    """Perplexity of a source or engine on ``text`` (default: the shipped held-out text),
+    first ``max_tokens`` tokens when given."""
+    eng = open_model(model, engine, device, dtype, window)
+    ids = list(eng.tokenizer(read_text(text) if text is None or Path(text).exists() else text,
+                             add_special_tokens=False)["input_ids"])
+    if max_tokens:
+        ids = ids[:max_tokens]
+    return score_windows(eng, ids, window)[0]
+
+
+def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 2048, num_prompts: int = 8,
+              prompt_tokens: int = 32, new_tokens: int = 32, window: int = DEFAULT_WINDOW,
+              device: str = "cpu") -> dict:
+    """Greedy agreement of two models/engines (each a source or an engine folder).
+
+    Returns:
+        ``{"teacher_forced_top1": share of positions where both predict the same next token,
+        "greedy_token_agreement": share of generated tokens equal position by position,
+        "greedy_identical": prompts whose continuations are identical, "num_prompts", ...}``.
+    """
+    from .sampling_params import SamplingParams  # noqa: PLC0415
+
+    engines = [open_model(engine=r, device=device, window=window, num_seqs=num_prompts) if _is_engine(r)
+               else open_model(model=r, device=device, window=window, num_seqs=num_prompts) for r in (a, b)]
+    ids = list(engines[0].tokenizer(read_text(text), add_special_tokens=False)["input_ids"])
+    if max_tokens:
+        ids = ids[:max_tokens]
+    (ra, pa), (rb, pb) = (score_windows(e, ids, window, want_argmax=True) for e in engines)
+    top1 = float((pa == pb).float().mean())
+    stride = max(prompt_tokens, len(ids) // max(num_prompts, 1))
+    prompts = [ids[i:i + prompt_tokens] for i in range(0, len(ids) - prompt_tokens, stride)][:num_prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    gens = []
+    for e in engines:
+        outs = []
+        for i, p in enumerate(prompts):
+            rid = e.add_request(None, p, sp)
+            fin = None
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    if o.finished and o.request_id == rid:
+                        fin = o
+            outs.append(list(fin.outputs[0].token_ids))
+        gens.append(outs)
+    same = sum(x == y for ga, gb in zip(*gens) for x, y in zip(ga, gb))
+    total = sum(min(len(ga), len(gb)) for ga, gb in zip(*gens))
+    return {"a": a, "b": b, "teacher_forced_top1": top1, "greedy_token_agreement": same / max(total, 1),
+            "greedy_identical": sum(ga == gb for ga, gb in zip(*gens)), "num_prompts": len(prompts),
+            "new_tokens": new_tokens, "perplexity_a": ra.perplexity, "perplexity_b": rb.perplexity,
+            "num_tokens": ra.num_tokens}
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def add_eval_args(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand (with ``perplexity`` and ``agreement``) to ``subparsers``."""
+    p = subparsers.add_parser("eval", help="accuracy of a model or engine (perplexity, greedy agreement)")
+    sub = p.add_subparsers(dest="eval_command", required=True)
+    pp = sub.add_parser("perplexity", help="perplexity and token count on a text file")
+    g = pp.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", help="builtin:<name>, a .gguf file or a Hugging Face folder")
+    g.add_argument("--engine", help="a Kiln engine folder (kiln build)")
+    pp.add_argument("--text", default=None, help="UTF-8 text file (default: the shipped held-out text)")
+    pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    pp.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per scored window")
+    pp.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    pp.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    pp.add_argument("--json", action="store_true", help="print one JSON object")
+    pa = sub.add_parser("agreement", help="greedy agreement between two models or engines")
+    pa.add_argument("a", help="engine folder or model source")
+    pa.add_argument("b", help="engine folder or model source")
+    pa.add_argument("--text", default=None)
+    pa.add_argument("--max-tokens", type=int, default=2048)
+    pa.add_argument("--num-prompts", type=int, default=8)
+    pa.add_argument("--new-tokens", type=int, default=32)
+    pa.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Run ``kiln eval ...``; returns the exit code (2 for a bad model/engine/text)."""
+    from .engine_format import EngineFormatError  # noqa: PLC0415
+    from .loader import ModelSourceError  # noqa: PLC0415
+    from .model.config import UnsupportedModelError  # noqa: PLC0415
+
+    try:
+        if args.eval_command == "perplexity":
+            r = perplexity(args.model, args.engine, args.text, args.max_tokens, args.window, args.device, args.dtype)
+            if args.json:
+                print(json.dumps({"source": args.model or args.engine, **asdict(r)}))
+            else:
+                print(f"perplexity {r.perplexity:.4f} over {r.num_tokens} tokens ({args.model or args.engine})")
+            return 0
+        r = agreement(args.a, args.b, args.text, args.max_tokens, args.num_prompts, new_tokens=args.new_tokens,
+                      device=args.device)
+        print(json.dumps(r, indent=2))
+        return 0
+    except (EngineFormatError, ModelSourceError, UnsupportedModelError, FileNotFoundError) as e:
+        print(f"kiln eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kiln.runtime.eval perplexity ...``."""
+    parser = argparse.ArgumentParser(prog="kiln")
+    add_eval_args(parser.add_subparsers(dest="command", required=True))
+    return run_eval(parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

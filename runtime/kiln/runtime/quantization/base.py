@@ -1,0 +1,222 @@
+"""The quantization handler interface and the helpers every method shares.
+
+A method is a *transform applied to a model* (gpt-fast's quant handlers): the model code
+never branches on the method.  Each method has two halves:
+
+* a ``QuantHandler`` (offline, in ``kiln build``): ``quantize_layer`` rewrites one decoder
+  layer's linear layers in place from float32 weights (and calibration statistics when the
+  method calibrates), leaving quantized buffers on the layer;
+* a ``LinearMethod`` (online, in serving): ``create_weights`` replaces a layer's float
+  ``weight`` with empty buffers of the quantized shapes so an engine's tensors load into
+  them by name, and ``apply(layer, x)`` computes the layer's output (installed as
+  ``layer.quant_method``; ``LinearBase.forward`` calls it).
+
+``convert_for_runtime(model, method, settings)`` does the second half for a whole model.
+The quantized linears are every ``LinearBase`` inside the decoder layers (QKV, output,
+gate-up and down projections); embeddings and the LM head stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..model.layers import LinearBase
+
+METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
+
+
+class QuantizationError(ValueError):
+    """A quantization setting the model cannot take (unknown method, a group size that does
+    not divide a layer's input features, ...).  The message names the setting and the layer."""
+
+
+@dataclass
+class QuantSettings:
+    """Settings of one quantization method (what ``kiln build`` flags carry).
+
+    Fields:
+        method: one of ``METHODS``.
+        group_size: int4 columns per scale/zero group (32, 64 or 128).
+        alpha: SmoothQuant migration strength in [0, 1].
+        extra: method-specific knobs recorded in the manifest (e.g. GPTQ damping).
+    """
+
+    method: str = "none"
+    group_size: int = 128
+    alpha: float = 0.5
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_manifest(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"method": self.method}
+        if self.method.startswith("int4"):
+            d["group_size"] = self.group_size
+            d["format"] = "int4-packed-k8-asym"  # see quantization/int4.py
+        if self.method == "int8-smoothquant":
+            d["alpha"] = self.alpha
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_manifest(cls, d: dict[str, Any]) -> "QuantSettings":
+        return cls(method=d.get("method", "none"), group_size=int(d.get("group_size", 128)),
+                   alpha=float(d.get("alpha", 0.5)))
+
+
+@dataclass
+class LayerStats:
+    """Calibration statistics of the inputs of one linear layer (collected by hooks).
+
+    Fields:
+        num_tokens: tokens seen.
+        absmax: float32 [K] max |x| per input channel (SmoothQuant).
+        absmean: float32 [K] mean |x| per input channel (AWQ).
+        hessian: float32 [K, K] ``2/n * sum x x^T`` (GPTQ), or None when not requested.
+        samples: float32 [S, K] a deterministic subsample of input rows (AWQ's loss), or None.
+    """
+
+    num_tokens: int = 0
+    absmax: torch.Tensor | None = None
+    absmean: torch.Tensor | None = None
+    hessian: torch.Tensor | None = None
+    samples: torch.Tensor | None = None
+
+
+class LinearMethod:
+    """Online half of a method: owns the quantized buffers of one linear layer."""
+
+    name = "base"
+
+    def create_weights(self, layer: LinearBase, name: str) -> None:  # pragma: no cover - interface
+        """Replace ``layer.weight`` with empty quantized buffers (on the weight's device)."""
+        raise NotImplementedError
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """``x`` [T, K] (model dtype) -> [T, N] (model dtype)."""
+        raise NotImplementedError
+
+
+class QuantHandler:
+    """Offline half of a method.
+
+    Attributes:
+        needs_calibration: the method reads calibration statistics.
+        wants: statistics it needs per linear ({"absmax", "absmean", "hessian", "samples"}).
+    """
+
+    needs_calibration = False
+    wants: frozenset[str] = frozenset()
+
+    def __init__(self, settings: QuantSettings):
+        self.settings = settings
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``QuantizationError`` when the model's shapes cannot take the settings."""
+
+    def quantize_layer(self, layer: nn.Module, prefix: str, stats: dict[str, LayerStats] | None) -> None:
+        """Quantize the linears of one decoder layer in place (float32 math).
+
+        Args:
+            layer: a ``LlamaDecoderLayer``.
+            prefix: its name in the model (``model.layers.3``).
+            stats: calibration statistics keyed by the linear's name inside the layer
+                (``self_attn.qkv_proj``), or None for methods that do not calibrate.
+        """
+        raise NotImplementedError
+
+    def linear_method(self) -> LinearMethod | None:
+        """The online method this handler's output is served with (None: plain F.linear)."""
+        return None
+
+
+def decoder_linears(layer: nn.Module) -> Iterator[tuple[str, LinearBase]]:
+    """``(name, module)`` of every linear layer inside one decoder layer, in a fixed order."""
+    for name, mod in layer.named_modules():
+        if isinstance(mod, LinearBase):
+            yield name, mod
+
+
+def model_linears(model: nn.Module) -> Iterator[tuple[str, LinearBase]]:
+    """``(full name, module)`` of every quantizable linear of a model (decoder layers only)."""
+    for i, layer in enumerate(model.model.layers):
+        for name, mod in decoder_linears(layer):
+            yield f"model.layers.{i}.{name}", mod
+
+
+def replace_weight(layer: LinearBase, buffers: dict[str, torch.Tensor]) -> None:
+    """Drop ``layer.weight`` and register ``buffers`` (persistent, so they save and load)."""
+    if "weight" in layer._parameters:
+        del layer._parameters["weight"]
+    for k, v in buffers.items():
+        if k in layer._parameters:
+            del layer._parameters[k]
+        layer.register_buffer(k, v)
+
+
+def check_group_size(model: nn.Module, group_size: int) -> None:
+    """Every quantized linear's input features must be a multiple of ``group_size``.
+
+    Raises:
+        QuantizationError: naming the first layer that does not divide and the sizes that would.
+    """
+    for name, mod in model_linears(model):
+        K = mod.in_features // mod.tp_size
+        if K % group_size:
+            ok = [g for g in (32, 64, 128) if K % g == 0 and all(
+                (m.in_features // m.tp_size) % g == 0 for _, m in model_linears(model))]
+            raise QuantizationError(
+                f"group size {group_size} does not divide {name}'s {K} input features; "
+                f"group sizes that fit this model: {ok or 'none'}")
+
+
+_HANDLERS: dict[str, Callable[[QuantSettings], QuantHandler]] = {}
+_LINEAR_METHODS: dict[str, Callable[[QuantSettings, str], LinearMethod | None]] = {}
+
+
+def register(method: str, handler: Callable[[QuantSettings], QuantHandler],
+             linear: Callable[[QuantSettings, str], LinearMethod | None]) -> None:
+    _HANDLERS[method] = handler
+    _LINEAR_METHODS[method] = linear
+
+
+def _load_all() -> None:
+    from . import awq, fp8, gptq, smoothquant  # noqa: F401, PLC0415  (they register themselves)
+
+
+def get_handler(settings: QuantSettings) -> QuantHandler:
+    """The offline handler for ``settings.method``.  Raises ``QuantizationError`` when unknown."""
+    _load_all()
+    if settings.method == "none":
+        return NoQuantHandler(settings)
+    if settings.method not in _HANDLERS:
+        raise QuantizationError(f"unknown quantization method {settings.method!r}; choose one of {', '.join(METHODS)}")
+    return _HANDLERS[settings.method](settings)
+
+
+def convert_for_runtime(model: nn.Module, settings: QuantSettings) -> None:
+    """Prepare a freshly built model to receive a quantized engine's tensors: every decoder
+    linear gets empty quantized buffers and its ``quant_method``.  No-op for ``none``.
+
+    Raises:
+        QuantizationError: unknown method.
+    """
+    if settings.method == "none":
+        return
+    _load_all()
+    if settings.method not in _LINEAR_METHODS:
+        raise QuantizationError(f"unknown quantization method {settings.method!r}; choose one of {', '.join(METHODS)}")
+    for name, mod in model_linears(model):
+        lm = _LINEAR_METHODS[settings.method](settings, name)
+        if lm is not None:
+            lm.create_weights(mod, name)
+            mod.quant_method = lm
+
+
+class NoQuantHandler(QuantHandler):
+    """``none``: weights stay float (stored in the source's dtype)."""
+
+    def quantize_layer(self, layer, prefix, stats) -> None:
+        return None

@@ -1,0 +1,143 @@
+"""The int4 weight format shared by AWQ and GPTQ (and read by the W4A16 GEMM).
+
+A linear layer's weight ``W`` ([N out, K in] floats) is stored as, with group size ``G``
+(columns of ``K`` that share one scale and zero point; ``K % G == 0``):
+
+* ``qweight`` int32 ``[K // 8, N]``: eight 4-bit values packed along K; bits ``4i..4i+3``
+  of ``qweight[j, n]`` hold ``q[n, 8j + i]`` (unsigned, 0..15).  Packing along K keeps a
+  GEMM's loads along N contiguous (the GPTQ layout).
+* ``scales`` float32 ``[K // G, N]``.
+* ``qzeros`` uint8 ``[K // G, N]`` (0..15).
+
+and dequantizes as ``W[n, k] = (q[n, k] - qzeros[k // G, n]) * scales[k // G, n]``
+(asymmetric min/max quantization, as in AWQ and GPTQ).  Pure torch, device-agnostic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK = 8  # int4 values per int32
+
+
+def quantize_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit scale and zero point of each group of ``w`` (min/max rule).
+
+    Args:
+        w: float [N, K] weights (K divisible by ``group_size``).
+    Returns:
+        scales float32 [N, K // G] (> 0) and zeros float32 [N, K // G] (integers 0..15).
+    """
+    N, K = w.shape
+    g = w.float().reshape(N, K // group_size, group_size)
+    wmax = g.amax(dim=2).clamp(min=0)
+    wmin = g.amin(dim=2).clamp(max=0)
+    scales = ((wmax - wmin) / 15).clamp(min=1e-8)
+    zeros = torch.round(-wmin / scales).clamp(0, 15)
+    return scales, zeros
+
+
+def quantize_with(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Integer codes 0..15 of ``w`` [N, K] for per-group ``scales``/``zeros`` [N, K // G] (int32)."""
+    N, K = w.shape
+    s = scales.repeat_interleave(group_size, dim=1)
+    z = zeros.repeat_interleave(group_size, dim=1)
+    return torch.clamp(torch.round(w.float() / s) + z, 0, 15).to(torch.int32)
+
+
+def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Round-trip ``w`` [N, K] through int4 with min/max group parameters (float32 result)."""
+    s, z = quantize_params(w, group_size)
+    q = quantize_with(w, s, z, group_size)
+    return (q.float() - z.repeat_interleave(group_size, 1)) * s.repeat_interleave(group_size, 1)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Pack integer codes into the storage format.
+
+    Args:
+        q: int [N, K] codes 0..15 (K divisible by 8).
+        scales, zeros: [N, K // G] per-group parameters.
+    Returns:
+        ``{"qweight": int32 [K//8, N], "scales": float32 [K//G, N], "qzeros": uint8 [K//G, N]}``.
+    """
+    N, K = q.shape
+    if K % PACK:
+        raise ValueError(f"int4 packing needs in_features divisible by {PACK}, got {K}")
+    qt = q.to(torch.int64).t().reshape(K // PACK, PACK, N)  # [K/8, 8, N]
+    shifts = (torch.arange(PACK, dtype=torch.int64, device=q.device) * 4).view(1, PACK, 1)
+    v = (qt << shifts).sum(dim=1)  # [K/8, N], 0 .. 2^32-1
+    v = torch.where(v >= 2**31, v - 2**32, v)
+    return {
+        "qweight": v.to(torch.int32).contiguous(),
+        "scales": scales.t().float().contiguous(),
+        "qzeros": zeros.t().to(torch.uint8).contiguous(),
+    }
+
+
+def unpack(qweight: torch.Tensor) -> torch.Tensor:
+    """Integer codes int32 [N, K] from ``qweight`` int32 [K//8, N]."""
+    K8, N = qweight.shape
+    shifts = (torch.arange(PACK, dtype=torch.int32, device=qweight.device) * 4).view(1, PACK, 1)
+    q = (qweight.unsqueeze(1) >> shifts) & 0xF  # [K/8, 8, N]
+    return q.reshape(K8 * PACK, N).t().contiguous()
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The float weight [N, K] in ``dtype`` from the packed format (see the module doc)."""
+    q = unpack(qweight)  # [N, K]
+    N, K = q.shape
+    G = K // scales.shape[0]
+    s = scales.float().t().repeat_interleave(G, dim=1)
+    z = qzeros.float().t().repeat_interleave(G, dim=1)
+    return ((q.float() - z) * s).to(dtype)
+
+
+# -- serving -------------------------------------------------------------------------------
+import torch.nn.functional as F  # noqa: E402
+
+from .base import LinearMethod, replace_weight  # noqa: E402
+
+
+class Int4LinearMethod(LinearMethod):
+    """W4A16 serving of the packed format: the Triton GEMM (``kiln.kernels.w4a16``, dequant
+    in registers, split-K for small batches) on CUDA; a cached dequantized weight and a float
+    matmul on the CPU.
+
+    Args:
+        group_size: columns per scale group (the layer's K must be a multiple).
+    """
+
+    name = "int4"
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    def create_weights(self, layer, name: str) -> None:
+        N, K = layer.weight.shape
+        G = self.group_size
+        dev = layer.weight.device
+        replace_weight(layer, {"qweight": torch.empty(K // PACK, N, dtype=torch.int32, device=dev),
+                               "scales": torch.empty(K // G, N, dtype=torch.float32, device=dev),
+                               "qzeros": torch.empty(K // G, N, dtype=torch.uint8, device=dev)})
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        if x.is_cuda:
+            from kiln.kernels.w4a16 import w4a16_gemm  # noqa: PLC0415
+
+            y = w4a16_gemm(x, layer.qweight, layer.scales, layer.qzeros)
+            return y if layer.bias is None else y + layer.bias
+        from .fp8 import cached_dequant  # noqa: PLC0415
+
+        w = cached_dequant(layer, lambda: dequantize(layer.qweight, layer.scales, layer.qzeros, x.dtype))
+        return F.linear(x, w, layer.bias)
+
+
+def store_int4(layer, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
+    """Replace ``layer.weight`` by the packed int4 buffers and install ``Int4LinearMethod``.
+
+    Args:
+        q: int [N, K] codes; scales, zeros: [N, K // G].
+    """
+    replace_weight(layer, pack(q, scales, zeros))
+    layer.quant_method = Int4LinearMethod(group_size)

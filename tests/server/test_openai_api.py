@@ -1,0 +1,121 @@
+"""The server through the official `openai` client: chat and completions, streaming and not,
+n > 1, logprobs, stop strings, seeds, and the OpenAI-style 400s for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_health_ready(server, client):
+    models = client.models.list().data
+    assert models and models[0].id == "builtin:smollm2-135m-instruct"
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert httpx.get(f"{server.base}/ready").json()["status"] == "ready"
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="builtin:smollm2-135m-instruct", temperature=0, max_tokens=32,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens == r.usage.total_tokens - r.usage.prompt_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    kw = dict(model="builtin:smollm2-135m-instruct", temperature=0, max_tokens=40,
+              messages=[{"role": "user", "content": "Name three colors."}])
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_stream_and_done_marker(server):
+    with httpx.stream("POST", f"{server.v1}/completions", timeout=60, json={
+        "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    body = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert "Paris" in "".join(b["choices"][0]["text"] for b in body)
+
+
+def test_n_logprobs_seed(client):
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="Once upon a time", max_tokens=12,
+              temperature=1.0, n=3, seed=1234, logprobs=3)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # n > 1: distinct samples
+    lp = a.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) > 0
+    assert all(v <= 0.0 for v in lp.token_logprobs)
+    assert all(len(t) <= 3 for t in lp.top_logprobs)
+
+
+def test_stop_string_not_leaked(client, server):
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="1, 2, 3, 4, 5, 6,", max_tokens=30, temperature=0)
+    free = client.completions.create(**kw).choices[0].text
+    assert " 8," in free
+    stopped = client.completions.create(stop=[" 8,"], **kw).choices[0]
+    assert stopped.finish_reason == "stop" and " 8," not in stopped.text
+    assert free.startswith(stopped.text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, stop=[" 8,"], **kw))
+    assert streamed == stopped.text
+
+
+BAD = [
+    ({"prompt": "", "max_tokens": 4}, "empty"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "-3"),
+    ({"prompt": "hi", "max_tokens": 100000}, "100000"),
+    ({"prompt": "hi " * 3000, "max_tokens": 4}, "2048"),
+    ({"prompt": "hi", "model": "gpt-4"}, "gpt-4"),
+    ({"prompt": "hi", "n": 500}, "500"),
+    ({"prompt": "hi", "temperature": -1}, "-1"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "1.5"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": 12}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_gets_400(server, body, needle):
+    r = httpx.post(f"{server.v1}/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_gets_400(server):
+    r = httpx.post(f"{server.v1}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.v1}/chat/completions", json={"messages": "hello"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="builtin:smollm2-135m-instruct", max_tokens=4, temperature=-2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    # ... and the server still serves everyone else.
+    r = client.chat.completions.create(model="builtin:smollm2-135m-instruct", max_tokens=4, temperature=0,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content
