@@ -277,7 +277,8 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     if kv_absmax is not None:
         tensors.update(kv_fp8.scale_tensors(kv_absmax))
     say(f"writing {len(tensors)} tensors")
-    files = _save_weights(tensors, tmp, {"format": "pt", "kiln_engine_hash": h})
+    # one metadata key only: safetensors writes the metadata map in hash-map order
+    files = _save_weights(tensors, tmp, {"format": "pt"})
     before = set(os.listdir(tmp))
     tok.save_pretrained(str(tmp))
     tok_files = sorted(set(os.listdir(tmp)) - before)

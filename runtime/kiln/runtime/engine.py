@@ -142,6 +142,8 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)``; strings are encoded as ``tokenizer(prompt)`` would."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token ids as the prompt")
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
@@ -151,7 +153,7 @@ class LLMEngine:
         Raises:
             InvalidRequestError: malformed messages or no chat template.
         """
-        if not self.tokenizer.chat_template:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidRequestError(f"model {self.served_model_name} has no chat template")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -207,6 +209,10 @@ class LLMEngine:
                 gen.manual_seed((params.seed + i * 0x9E3779B1) % (1 << 63))
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), max_tokens=max_tokens,
                           arrival_time=arrival)
+            if self.tokenizer is None and (params.detokenize or params.stop):
+                params.detokenize = False
+                if params.stop:
+                    raise InvalidRequestError("stop strings need a tokenizer; this model has none")
             children.append(_Child(
                 index=i, request=req,
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop),
@@ -298,7 +304,8 @@ class LLMEngine:
         child.pending_tokens.append(tok)
         if lp is not None and child.logprobs is not None:
             sampled_lp, top = lp
-            tl = TokenLogprobs(tok, sampled_lp, [Logprob(t, v, self.tokenizer.decode([t])) for t, v in top])
+            dec = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else str
+            tl = TokenLogprobs(tok, sampled_lp, [Logprob(t, v, dec(t)) for t, v in top])
             child.logprobs.append(tl)
             child.pending_logprobs.append(tl)
         status = None
@@ -307,13 +314,14 @@ class LLMEngine:
         elif tok in params.stop_token_ids:
             status, child.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         else:
-            matched = child.detok.add_token(tok)
+            matched = child.detok.add_token(tok) if params.detokenize else None
             if matched is not None:
                 status, child.stop_reason = RequestStatus.FINISHED_STOPPED, matched
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            if status == RequestStatus.FINISHED_LENGTH or child.stop_reason is None or isinstance(child.stop_reason, int):
+            if params.detokenize and (status == RequestStatus.FINISHED_LENGTH or child.stop_reason is None
+                                      or isinstance(child.stop_reason, int)):
                 child.detok.flush()
             child.finish_reason = status.finish_reason
             self.scheduler.finish_request(req.request_id, status)
@@ -330,8 +338,14 @@ class LLMEngine:
                 delta_token_ids=delta_ids, delta_logprobs=delta_lps,
             ))
         cached = max((c.request.num_cached_tokens for c in p.children), default=0)
+        c0 = p.children[0]
+        metrics = {"arrival_time": p.arrival_time, "last_token_time": c0.last_token_time}
+        if c0.first_token_time is not None:
+            metrics["first_token_time"] = c0.first_token_time
+        if c0.request.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = c0.request.first_scheduled_time
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, comps, finished=p.finished,
-                             num_cached_tokens=cached)
+                             num_cached_tokens=cached, metrics=metrics)
 
     def _retire(self, p: _Parent, now: float) -> None:
         self._parents.pop(p.request_id, None)

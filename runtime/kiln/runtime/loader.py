@@ -65,8 +65,13 @@ def resolve_source(src: str | os.PathLike | None) -> ModelSource:
     ref = str(src) if src else DEFAULT_MODEL
     if ref.startswith("builtin:"):
         name = ref.split(":", 1)[1]
+        cfg_dir = Path(__file__).parent / "data" / "configs" / name
+        if name not in BUILTIN_MODELS and (cfg_dir / "config.json").is_file():
+            # A real architecture's shape without weights: for --load-format dummy.
+            return ModelSource("hf", cfg_dir, ref)
         if name not in BUILTIN_MODELS:
-            raise ModelSourceError(f"unknown builtin model {name!r}; available: {sorted(BUILTIN_MODELS)}")
+            known = sorted(BUILTIN_MODELS) + sorted(p.name for p in (Path(__file__).parent / "data" / "configs").iterdir())
+            raise ModelSourceError(f"unknown builtin model {name!r}; available: {known}")
         pkg, fname = BUILTIN_MODELS[name]
         spec = importlib.util.find_spec(pkg)
         if spec is None or not spec.submodule_search_locations:
@@ -178,9 +183,13 @@ def load_model_config(src: ModelSource) -> ModelConfig:
 
 
 def load_tokenizer(src: ModelSource):
-    """A transformers fast tokenizer (with the chat template) for the source."""
+    """A transformers fast tokenizer (with the chat template) for the source, or None for a
+    shape-only config folder (dummy weights)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    if src.kind == "hf" and not any((src.path / f).is_file() for f in
+                                    ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None  # a shape-only config (dummy weights): token-id prompts only
     try:
         if src.kind == "gguf":
             return AutoTokenizer.from_pretrained(src.gguf_dir, gguf_file=src.gguf_name)

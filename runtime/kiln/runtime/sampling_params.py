@@ -30,6 +30,7 @@ class SamplingParams:
         logprobs: also return this many top log-probabilities per generated token (of the
             model's raw distribution, before penalties and temperature); None = off.
         skip_special_tokens: drop special tokens from the text.
+        detokenize: build text (and match stop strings); False returns token ids only.
 
     Raises:
         ValueError: on out-of-range values; the message carries the offending value.
@@ -50,6 +51,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: return token ids only (benchmarks, models without a tokenizer).
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

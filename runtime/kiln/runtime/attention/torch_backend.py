@@ -38,10 +38,24 @@ def write_kv_cache(
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of one sequence, [Hkv, length, D], read through its block table."""
+    bs = cache.shape[1]
+    nblk = (length + bs - 1) // bs
+    rows = cache.index_select(0, block_table[:nblk].to(torch.int64))  # [nblk, bs, Hkv, D]
+    return rows.reshape(nblk * bs, *cache.shape[2:])[:length].transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of the new tokens over each sequence's cached context.
+
+    Decode rows (one query token) are batched: K/V of every decoding sequence are gathered
+    into a padded ``[S, Hkv, L, D]`` batch and the query heads that share a KV head are
+    stacked on the query axis (``[S, Hkv, group, D]``), so grouped-query attention needs no
+    copy of K/V.  Prefill chunks run per sequence with a causal mask offset by the cached
+    prefix (no padding across sequences).
 
     Args:
         q: [T, Hq, D] query rows of all sequences, flattened.
@@ -52,57 +66,44 @@ def paged_attention(
     Returns:
         [T, Hq, D] in ``q.dtype``.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    S = meta.num_seqs
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.empty_like(q)
     seq_lens = meta.seq_lens_list
     q_lens = meta.query_lens_list
-    L = max(seq_lens)
-    Q = max(q_lens)
-    device = q.device
-
-    # Slot index of every (sequence, key position) pair: [S, L].
-    pos = torch.arange(L, device=device)
-    nblk = (L + block_size - 1) // block_size
-    bt = meta.block_tables[:, :nblk].to(torch.int64)
-    slots = bt.repeat_interleave(block_size, dim=1)[:, :L] * block_size + (pos % block_size)
-    seq_lens_t = torch.tensor(seq_lens, device=device)
-    valid_k = pos.unsqueeze(0) < seq_lens_t.unsqueeze(1)  # [S, L]
-    slots = torch.where(valid_k, slots, torch.zeros_like(slots))
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    k = flat_k.index_select(0, slots.reshape(-1)).view(S, L, num_kv_heads, head_dim).transpose(1, 2)
-    v = flat_v.index_select(0, slots.reshape(-1)).view(S, L, num_kv_heads, head_dim).transpose(1, 2)
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-
-    if S == 1:
-        qb = q.view(1, num_tokens, num_heads, head_dim).transpose(1, 2)
-    else:
-        qb = q.new_zeros(S, Q, num_heads, head_dim)
-        starts = meta.query_start_loc.tolist() if S > 1 else [0, num_tokens]
-        if Q == 1:
-            qb[:, 0] = q
-        else:
-            for s in range(S):
-                qb[s, : q_lens[s]] = q[starts[s] : starts[s + 1]]
-        qb = qb.transpose(1, 2)  # [S, Hq, Q, D]
-
-    # Mask [S, 1, Q, L]: key position <= query position, and key inside the context.
-    q_lens_t = torch.tensor(q_lens, device=device)
-    q_pos = (seq_lens_t - q_lens_t).unsqueeze(1) + torch.arange(Q, device=device).unsqueeze(0)  # [S, Q]
-    mask = (pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & valid_k.unsqueeze(1)
-    mask = mask.unsqueeze(1)
-
-    if num_kv_heads != num_heads:
-        rep = num_heads // num_kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)  # [S, Hq, Q, D]
-    out = out.transpose(1, 2)  # [S, Q, Hq, D]
-    if S == 1:
-        return out.reshape(num_tokens, num_heads, head_dim)
-    if Q == 1:
-        return out[:, 0].contiguous()
-    return torch.cat([out[s, : q_lens[s]] for s in range(S)], dim=0)
+    starts = meta.query_start_loc.tolist() if meta.num_seqs > 1 else [0, T]
+    bt = meta.block_tables
+    dec = [s for s in range(meta.num_seqs) if q_lens[s] == 1]
+    if dec:
+        L = max(seq_lens[s] for s in dec)
+        bs = k_cache.shape[1]
+        nblk = (L + bs - 1) // bs
+        idx = torch.tensor(dec, device=q.device)
+        tables = bt.index_select(0, idx)[:, :nblk].to(torch.int64)  # [S, nblk]
+        k = k_cache.index_select(0, tables.reshape(-1)).view(len(dec), nblk * bs, Hkv, D)[:, :L]
+        v = v_cache.index_select(0, tables.reshape(-1)).view(len(dec), nblk * bs, Hkv, D)[:, :L]
+        k = k.transpose(1, 2).to(q.dtype)  # [S, Hkv, L, D]
+        v = v.transpose(1, 2).to(q.dtype)
+        lens = torch.tensor([seq_lens[s] for s in dec], device=q.device)
+        mask = (torch.arange(L, device=q.device).unsqueeze(0) < lens.unsqueeze(1)).view(len(dec), 1, 1, L)
+        rows = torch.tensor([starts[s] for s in dec], device=q.device)
+        qd = q.index_select(0, rows).view(len(dec), Hkv, group, D)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)  # [S, Hkv, group, D]
+        out.index_copy_(0, rows, o.reshape(len(dec), Hq, D))
+    for s in range(meta.num_seqs):
+        n = q_lens[s]
+        if n == 1:
+            continue
+        L = seq_lens[s]
+        k = _gather(k_cache, bt[s], L).to(q.dtype)  # [Hkv, L, D]
+        v = _gather(v_cache, bt[s], L).to(q.dtype)
+        qs = q[starts[s] : starts[s] + n]  # [n, Hq, D]
+        # Stack the query heads of each KV head on the query axis: [Hkv, group*n, D].
+        qg = qs.view(n, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n, D)
+        qpos = torch.arange(L - n, L, device=q.device)
+        mask = (torch.arange(L, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1))  # [n, L]
+        mask = mask.repeat(group, 1).unsqueeze(0)  # [1, group*n, L]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [Hkv, group*n, D]
+        out[starts[s] : starts[s] + n] = o.view(Hkv, group, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
+    return out

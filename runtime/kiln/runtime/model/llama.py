@@ -198,3 +198,26 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
+
+
+def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names (fused QKV and gate-up split back), so
+    transformers can run the very same weights (peer benchmarks, equivalence tests).
+    Only valid at tensor-parallel size 1."""
+    cfg = model.config
+    q, kv = cfg.q_size, cfg.kv_size
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if ".qkv_proj." in name:
+            for part, (a, b) in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+                out[name.replace("qkv_proj", part)] = t[a:b]
+        elif ".gate_up_proj." in name:
+            i = cfg.intermediate_size
+            out[name.replace("gate_up_proj", "gate_proj")] = t[:i]
+            out[name.replace("gate_up_proj", "up_proj")] = t[i:]
+        else:
+            out[name] = t
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

@@ -66,7 +66,7 @@ class AsyncEngine:
 
     async def warmup(self) -> None:
         """Run one real request through the engine (readiness means a step has run)."""
-        ids = self.engine.tokenizer.encode("Hello")
+        ids = self.engine.tokenizer.encode("Hello") if self.engine.tokenizer is not None else [1]
         async for _ in self.generate(ids or [0], SamplingParams(max_tokens=2, temperature=0.0), "warmup"):
             pass
         self.ready = True
