@@ -97,23 +97,13 @@ def build_hf_peer(llm):
     runner = llm.engine.runner
     cfg = AutoConfig.for_model(**{k: v for k, v in llm.engine.model_config.to_hf_dict().items()
                                   if k not in ("architectures",)})
-    with torch.device("meta"):
+    with torch.device(runner.device):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=runner.dtype)
-    hf = hf.to_empty(device=runner.device)
     sd = to_hf_state_dict(runner.model)
-    missing, unexpected = hf.load_state_dict(sd, strict=False, assign=False)
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
     missing = [m for m in missing if "rotary" not in m and not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"peer weights mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if cfg.tie_word_embeddings:
-        hf.tie_weights()
-    # Recompute rotary buffers that to_empty() left uninitialised.
-    for m in hf.modules():
-        if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
-            inv, scale = m.rope_init_fn(m.config, runner.device)
-            m.inv_freq = inv
-            m.original_inv_freq = inv
-            m.attention_scaling = scale
     hf.eval()
     return hf
 

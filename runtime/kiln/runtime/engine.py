@@ -114,6 +114,7 @@ class LLMEngine:
                                  cfg.max_position_embeddings)
         num_blocks = self.runner.profile_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs(self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max(args.max_num_batched_tokens, 1),

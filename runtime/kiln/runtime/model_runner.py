@@ -88,12 +88,12 @@ class ModelRunner:
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shape (``--load-format dummy``), scaled like a trained
         model's (normal, std 0.02; norms at 1) so activations stay in range."""
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device=self.device).manual_seed(seed)
         for name, p in self.model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.data.fill_(1.0)
             else:
-                p.data.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+                p.data.normal_(0.0, 0.02, generator=g)
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -188,6 +188,78 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
                 torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True), meta, logit_rows)
 
+    # -- CUDA graphs for decode ---------------------------------------------------------------
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture the forward pass of pure-decode batches for batch-size buckets
+        (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``) over persistent input
+        buffers, so a decode step is one graph replay instead of hundreds of launches
+        (nano-vllm / vLLM do the same).  Padded rows have ``seq_len`` 0 and slot -1."""
+        if self.device.type != "cuda" or not self.args.enable_cuda_graphs:
+            return
+        max_bs = self.args.max_num_seqs
+        self.graph_bs = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 16, 16)) if b <= max_bs} | {max_bs})
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        dev = self.device
+        self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.g_block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.g_outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for bs in reversed(self.graph_bs):
+                meta = self._graph_meta(bs)
+                # Warm up (Triton compilation, cuBLAS handles) outside the capture.
+                for _ in range(2):
+                    self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.g_outputs[bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+                if pool is None:
+                    pool = g.pool()
+                self.graphs[bs] = g
+        torch.cuda.synchronize()
+        log.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.graphs), self.graph_bs,
+                 time.perf_counter() - t0)
+
+    def _graph_meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.g_slots[:bs], block_tables=self.g_block_tables[:bs], seq_lens=self.g_seq_lens[:bs],
+            query_start_loc=self.g_qsl[: bs + 1], max_query_len=1, max_seq_len=0,
+            seq_lens_list=[0] * bs, query_lens_list=[1] * bs, block_size=self.block_size)
+
+    def _run_decode_graph(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Replay the captured graph for a pure-decode step; None when not applicable."""
+        graphs = getattr(self, "graphs", None)
+        n = len(out.scheduled)
+        if not graphs or n > self.graph_bs[-1] or any(sr.num_new_tokens != 1 for sr in out.scheduled):
+            return None
+        bs = next(b for b in self.graph_bs if b >= n)
+        blk = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32)
+        for i, sr in enumerate(out.scheduled):
+            p = sr.num_computed_tokens
+            ids.append(sr.request.all_token_ids[p])
+            pos.append(p)
+            slots.append(sr.block_ids[p // blk] * blk + p % blk)
+            lens.append(p + 1)
+            table[i, : len(sr.block_ids)] = torch.tensor(sr.block_ids, dtype=torch.int32)
+        pad = bs - n
+        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        self.g_input_ids[:bs].copy_(host[0], non_blocking=True)
+        self.g_positions[:bs].copy_(host[1], non_blocking=True)
+        self.g_slots[:bs].copy_(host[2], non_blocking=True)
+        self.g_seq_lens[:bs].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        self.g_block_tables[:bs].copy_(table, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.g_outputs[bs][:n]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> StepResult:
         """Run the forward pass for a scheduled step and sample the requests that need a token.
@@ -199,8 +271,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not out.scheduled:
             return StepResult({}, {}, 0.0)
-        input_ids, positions, meta, logit_rows = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._run_decode_graph(out)
+        if hidden is not None:
+            logit_rows = [i for i, sr in enumerate(out.scheduled) if sr.needs_sample]
+        else:
+            input_ids, positions, meta, logit_rows = self.prepare_inputs(out)
+            hidden = self.model(input_ids, positions, meta)
         sampled: dict[str, int] = {}
         lps: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logit_rows:

@@ -37,7 +37,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     k = _kernels() if q.is_cuda else None
     if k is not None:
         return k.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 scale, k_scale, v_scale)
+                                 scale, k_scale, v_scale, max_query_len=meta.max_query_len,
+                                 max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None)
     if k_scale is not None:  # fp8 cache on CPU: dequantize the gathered values
         k_cache = k_cache.to(q.dtype) * k_scale
         v_cache = v_cache.to(q.dtype) * v_scale

@@ -1,0 +1,200 @@
+"""End-to-end GPU checks and benchmarks for the H200 (run through the `device` tool; never in
+CI).  Prints a summary table last; writes JSON to $OUT when set.
+
+    python tests/gpu/gpu_checks.py [--quick] [--skip-peer]
+
+1. copy bandwidth (device-to-device, read + write bytes);
+2. greedy equivalence: Kiln vs transformers on the same random weights (float32) of a real
+   Llama-3 architecture with fewer layers;
+3. batch-1 decode TPOT of Llama-3.1-8B (bf16, random weights) vs the weight-bandwidth roofline;
+4. offline throughput, Llama-3.1-8B bf16, fixed 1000/1000 (and 128/128, 2048/128), with
+   transformers' continuous batching as the peer on the same prompts;
+5. a torch-profiler breakdown of a decode step (largest costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+RESULTS: dict = {}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30  # 1 GiB of bf16
+    a = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(20):
+        b.copy_(a)
+    t1.record()
+    torch.cuda.synchronize()
+    s = t0.elapsed_time(t1) / 1e3 / 20
+    bw = 2 * n / s / 1e12
+    RESULTS["copy_TBps"] = bw
+    log(f"[copy] {bw:.2f} TB/s (read+write)")
+    return bw
+
+
+def greedy_equivalence() -> None:
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.bench import build_hf_peer, make_workload
+
+    # Llama-3.2-1B's shape (GQA 32/8, llama3 RoPE scaling, tied embeddings), 4 layers, fp32.
+    llm = LLM(model="builtin:llama-3.2-1b", load_format="dummy", dtype="float32", max_num_seqs=16,
+              num_kv_blocks=2048, max_model_len=1024)
+    cfg = llm.engine.model_config
+    # Stronger random weights than 0.02 so logits are peaked (fewer near-ties).
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for name, p in llm.engine.runner.model.named_parameters():
+        if "norm" not in name:
+            p.data.copy_(torch.randn(p.shape, generator=g).mul_(0.05).to(p.dtype))
+    hf = build_hf_peer(llm)
+    wl = make_workload(8, 100, 32, 0.8, cfg.vocab_size, seed=3)
+    outs = llm.generate(wl.prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False))
+    match = 0
+    first_div = []
+    with torch.inference_mode():
+        for p, o in zip(wl.prompts, outs):
+            inp = torch.tensor([p], device="cuda")
+            ref = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=32,
+                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            got = o.outputs[0].token_ids[: len(ref)]  # transformers stops at EOS
+            match += got == ref
+            first_div.append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None))
+    RESULTS["greedy_equal_fp32"] = f"{match}/{len(outs)}"
+    RESULTS["greedy_first_divergence"] = first_div
+    log(f"[equiv] Kiln == transformers greedy (fp32, random weights, graphs on): {match}/{len(outs)}; "
+        f"first divergence per prompt: {first_div}")
+    del llm, hf
+    torch.cuda.empty_cache()
+
+
+def llama8b(**kw):
+    from kiln.runtime import LLM
+
+    return LLM(model="builtin:llama-3.1-8b", load_format="dummy", dtype="bfloat16", kv_cache_memory_fraction=0.6, **kw)
+
+
+def batch1_decode(llm, copy_bw: float) -> None:
+    from kiln.runtime import SamplingParams
+
+    cfg = llm.engine.model_config
+    wl_prompt = [list(range(1000, 1128))]
+    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
+    llm.generate(wl_prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False))
+    o = llm.generate(wl_prompt, sp)[0]
+    m = o.metrics
+    tpot = (m["last_token_time"] - m["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
+    wbytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    roof = wbytes / (copy_bw * 1e12)
+    RESULTS["b1_tpot_ms"] = tpot * 1e3
+    RESULTS["b1_roofline_ms"] = roof * 1e3
+    RESULTS["b1_fraction_of_roofline"] = roof / tpot
+    log(f"[b1] TPOT {tpot*1e3:.2f} ms; roofline {roof*1e3:.2f} ms ({wbytes/1e9:.1f} GB weights); "
+        f"{roof/tpot*100:.1f}% of roofline")
+
+
+def profile_decode(llm) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from kiln.runtime import SamplingParams
+
+    prompts = [[1000 + i] * 64 for i in range(64)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp)
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in ka) / 1e6
+    RESULTS["profile_gpu_busy_fraction"] = gpu_total / wall
+    top = sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    RESULTS["profile_top"] = [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in top]
+    log(f"[profile] batch 64 x 24 tokens: wall {wall:.2f}s, GPU busy {gpu_total:.2f}s "
+        f"({gpu_total/wall*100:.0f}%); top GPU kernels (ms): {RESULTS['profile_top']}")
+
+
+def throughput(llm, n, il, ol, peer_n: int | None) -> None:
+    from kiln.runtime.bench import build_hf_peer, make_workload, run_hf_continuous, run_kiln_offline
+
+    cfg = llm.engine.model_config
+    wl = make_workload(n, il, ol, 0.0, cfg.vocab_size, seed=0)
+    r = run_kiln_offline(llm, wl)
+    key = f"tput_{n}x{il}/{ol}"
+    RESULTS[key] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+    log(f"[tput] kiln {n} x {il}/{ol}: {r['output_tok_s']:.0f} out tok/s, {r['requests_s']:.2f} req/s, "
+        f"TTFT p50 {r['ttft_p50_s']*1e3:.0f} ms p99 {r['ttft_p99_s']*1e3:.0f} ms, "
+        f"TPOT p50 {r['tpot_p50_s']*1e3:.1f} ms p99 {r['tpot_p99_s']*1e3:.1f} ms, wall {r['wall_s']:.1f}s")
+    if peer_n:
+        from kiln.runtime.bench import Workload
+        sub = Workload(wl.prompts[:peer_n], wl.output_lens[:peer_n])
+        rk = run_kiln_offline(llm, sub)
+        hf = build_hf_peer(llm)
+        try:
+            rp = run_hf_continuous(hf, sub)
+        except Exception as e:  # report and go on
+            rp = {"engine": "transformers.generate_batch", "error": repr(e)[:300], "output_tok_s": float("nan")}
+        del hf
+        torch.cuda.empty_cache()
+        RESULTS[key + "_peer_subset"] = {"n": peer_n, "kiln_tok_s": rk["output_tok_s"],
+                                         "transformers_cb_tok_s": rp.get("output_tok_s"),
+                                         "ratio": rk["output_tok_s"] / rp["output_tok_s"] if rp.get("output_tok_s") else None,
+                                         "peer_error": rp.get("error")}
+        log(f"[peer] same {peer_n} requests: kiln {rk['output_tok_s']:.0f} tok/s vs transformers CB "
+            f"{rp.get('output_tok_s')} tok/s {rp.get('error', '')}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--stage", default="all", help="comma list: copy,equiv,b1,profile,tput")
+    ns = ap.parse_args()
+    stages = set(ns.stage.split(",")) if ns.stage != "all" else {"copy", "equiv", "b1", "profile", "tput"}
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    bw = copy_bandwidth() if "copy" in stages else 4.2
+    if "equiv" in stages:
+        greedy_equivalence()
+    if stages & {"b1", "profile", "tput"}:
+        t0 = time.perf_counter()
+        llm = llama8b(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+        log(f"[load] llama-3.1-8b dummy bf16 ready in {time.perf_counter()-t0:.0f}s, "
+            f"{llm.engine.runner.num_kv_blocks} KV blocks")
+        if "b1" in stages:
+            batch1_decode(llm, bw)
+        if "profile" in stages:
+            profile_decode(llm)
+        if "tput" in stages:
+            if ns.quick:
+                throughput(llm, 256, 128, 128, None if ns.skip_peer else 64)
+            else:
+                throughput(llm, 1000, 1000, 1000, None if ns.skip_peer else 200)
+                throughput(llm, 512, 128, 128, None)
+                throughput(llm, 256, 2048, 128, None)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_results.json"), "w") as f:
+            json.dump(RESULTS, f, indent=2, default=str)
+    log("==== summary ====")
+    for k, v in RESULTS.items():
+        log(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
