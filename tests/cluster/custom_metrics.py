@@ -153,6 +153,11 @@ class Handler(BaseHTTPRequestHandler):
                     "verbs": ["get"]} for m in sorted(self.server.store.metric_names())]
             return self._send(200, {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
                                     "resources": res})
+        if path == "/openapi/v2":  # the aggregator merges every APIService's spec; this one has no paths
+            return self._send(200, {"swagger": "2.0", "info": {"title": "kiln custom metrics", "version": VERSION},
+                                    "paths": {}})
+        if path == "/openapi/v3":
+            return self._send(200, {"paths": {}})
         if path in ("/healthz", "/readyz", "/livez"):
             return self._send(200, {"status": "ok"})
         if path == FEED_PATH:

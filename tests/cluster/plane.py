@@ -144,6 +144,15 @@ class Plane:
         items = obj if isinstance(obj, list) else [obj]
         return self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 
+    def add_node(self, name: str, gpus: int, kind: str = "kwok", labels: dict[str, str] | None = None,
+                 taints: list[dict] | None = None) -> None:
+        """Adds a node with gpus nvidia.com/gpu. kind "kwok" is run by kwok; any other kind (e.g.
+        "process") is left to whatever agent registers as that node."""
+        node = gpu_node(name, gpus, {KWOK_NODE_LABEL: kind, **(labels or {})})
+        if taints:
+            node["spec"]["taints"] = taints
+        self.apply(node)
+
     def _ssl(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
@@ -172,7 +181,7 @@ class Plane:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        out = open(self.logs / f"{name}.log", "ab")
+        out = open(self.logs / f"{name}.log", "wb")  # this start's log only
         p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, cwd=self.dir)
         out.close()

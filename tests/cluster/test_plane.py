@@ -112,23 +112,41 @@ def test_crd_schema_and_cel_are_enforced_by_the_server(kube_plane, namespace, wi
 
 
 def test_deployment_gets_ready_pods_on_gpu_nodes_and_the_rest_stay_pending(kube_plane, namespace):
-    per_pod = kube_plane.gpus_per_node  # one pod fills a node, so one more than the nodes stays Pending
-    n = kube_plane.num_gpu_nodes
-    apply(kube_plane, namespace, deployment("gpu", n + 1, gpus=per_pod))
+    # The plane's kwok-gpu-* nodes are shared by every test of the run, so a tainted node of our own
+    # with 2 GPUs holds exactly this test's pods: 3 pods of 1 GPU -> 2 Ready, 1 Pending.
+    node = f"gpu-{namespace[-6:]}"
+    taint = {"key": "kiln.dev/test", "value": namespace, "effect": "NoSchedule"}
+    kube_plane.add_node(node, 2, labels={"kiln.dev/test": namespace}, taints=[taint])
+    try:
+        wait_for(f"node {node} Ready", lambda: is_ready(kube_plane.kubectl_json("get", "node", node)), 30)
+        dep = deployment("gpu", 3, gpus=1)
+        dep["spec"]["template"]["spec"].update(
+            nodeSelector={"kiln.dev/test": namespace},
+            tolerations=[{"key": "kiln.dev/test", "operator": "Equal", "value": namespace, "effect": "NoSchedule"}])
+        apply(kube_plane, namespace, dep)
 
-    def split():
-        ps = pods(kube_plane, namespace, "app=gpu")
-        ready = [p for p in ps if is_ready(p)]
-        pending = [p for p in ps if p["status"].get("phase") == "Pending" and not p["spec"].get("nodeName")]
-        return (ready, pending) if len(ready) == n and len(pending) == 1 else None
+        def split():
+            ps = pods(kube_plane, namespace, "app=gpu")
+            ready = [p for p in ps if is_ready(p)]
+            pending = [p for p in ps if p["status"].get("phase") == "Pending" and not p["spec"].get("nodeName")
+                       and any(c["type"] == "PodScheduled" for c in p["status"].get("conditions", []))]
+            return (ready, pending) if len(ready) == 2 and len(pending) == 1 else None
 
-    ready, pending = wait_for(f"{n} ready and 1 pending pod", split, 60)
-    assert {p["spec"]["nodeName"] for p in ready} == {f"kwok-gpu-{i}" for i in range(n)}
-    assert all(p["status"].get("podIP") for p in ready)
-    cond = next(c for c in pending[0]["status"]["conditions"] if c["type"] == "PodScheduled")
-    assert cond["status"] == "False" and "nvidia.com/gpu" in cond["message"]
-    dep = kube_plane.kubectl_json("get", "deployment", "gpu", "-n", namespace)
-    assert dep["status"].get("readyReplicas") == n
+        ready, pending = wait_for("2 ready and 1 pending pod", split, 60)
+        assert {p["spec"]["nodeName"] for p in ready} == {node}
+        assert all(p["status"].get("podIP") for p in ready)
+        cond = next(c for c in pending[0]["status"]["conditions"] if c["type"] == "PodScheduled")
+        assert cond["status"] == "False" and "Insufficient nvidia.com/gpu" in cond["message"]
+        wait_for("Deployment readyReplicas 2", lambda: kube_plane.kubectl_json(
+            "get", "deployment", "gpu", "-n", namespace)["status"].get("readyReplicas") == 2, 30)
+    finally:
+        kube_plane.kubectl("delete", "node", node, "--wait=false", check=False)
+
+
+def test_pods_land_on_the_plane_gpu_nodes(kube_plane, namespace):
+    apply(kube_plane, namespace, deployment("one", 1, gpus=1))
+    (pod,) = wait_for("a ready pod", lambda: [p for p in pods(kube_plane, namespace, "app=one") if is_ready(p)], 60)
+    assert pod["spec"]["nodeName"].startswith("kwok-gpu-")
 
 
 def test_job_pod_completes(kube_plane, namespace):
@@ -227,3 +245,15 @@ def test_helm_installs_a_chart(kube_plane, namespace, tmp_path):
     # helm --wait reads the ReplicaSet; the Deployment's status follows a moment later.
     wait_for("Deployment demo ready", lambda: kube_plane.kubectl_json(
         "get", "deployment", "demo", "-n", namespace)["status"].get("readyReplicas") == 1, 30)
+
+
+def test_nodes_of_another_kind_are_left_alone_by_kwok(kube_plane):
+    name = f"proc-{uuid.uuid4().hex[:6]}"
+    kube_plane.add_node(name, 1, kind="process")
+    try:
+        time.sleep(3)  # kwok initializes its nodes in well under a second
+        node = kube_plane.kubectl_json("get", "node", name)
+        assert not any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "1"
+    finally:
+        kube_plane.kubectl("delete", "node", name, "--wait=false", check=False)

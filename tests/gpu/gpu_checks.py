@@ -27,6 +27,10 @@ RESULTS: dict = {}
 
 def log(*a):
     print(*a, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_log.txt"), "a") as f:
+            print(*a, file=f)
 
 
 def copy_bandwidth() -> float:
@@ -87,7 +91,7 @@ def greedy_equivalence() -> None:
 def llama8b(**kw):
     from kiln.runtime import LLM
 
-    return LLM(model="builtin:llama-3.1-8b", load_format="dummy", dtype="bfloat16", kv_cache_memory_fraction=0.6, **kw)
+    return LLM(model="builtin:llama-3.1-8b", load_format="dummy", dtype="bfloat16", kv_cache_memory_fraction=0.85, **kw)
 
 
 def batch1_decode(llm, copy_bw: float) -> None:
@@ -163,22 +167,32 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--stage", default="all", help="comma list: copy,equiv,b1,profile,tput")
+    ap.add_argument("--stage", default="all", help="comma list: copy,equiv,b1,profile,tput,tput8b,peer1b")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     ns = ap.parse_args()
     stages = set(ns.stage.split(",")) if ns.stage != "all" else {"copy", "equiv", "b1", "profile", "tput"}
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     bw = copy_bandwidth() if "copy" in stages else 4.2
     if "equiv" in stages:
         greedy_equivalence()
-    if stages & {"b1", "profile", "tput"}:
+    if "peer1b" in stages:
+        from kiln.runtime import LLM
+        small = LLM(model="builtin:llama-3.2-1b", load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+                    max_num_batched_tokens=8192, max_model_len=2048, kv_cache_memory_fraction=0.5)
+        throughput(small, 256, 128, 128, 256)
+        del small
+        torch.cuda.empty_cache()
+    if stages & {"b1", "profile", "tput", "tput8b"}:
         t0 = time.perf_counter()
-        llm = llama8b(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+        llm = llama8b(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
         log(f"[load] llama-3.1-8b dummy bf16 ready in {time.perf_counter()-t0:.0f}s, "
             f"{llm.engine.runner.num_kv_blocks} KV blocks")
         if "b1" in stages:
             batch1_decode(llm, bw)
         if "profile" in stages:
             profile_decode(llm)
+        if "tput8b" in stages:
+            throughput(llm, 1000, 1000, 1000, None)
         if "tput" in stages:
             if ns.quick:
                 throughput(llm, 256, 128, 128, None if ns.skip_peer else 64)

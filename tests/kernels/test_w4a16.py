@@ -25,7 +25,7 @@ def make_weight(N: int, K: int, G: int, device=DEVICE, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K,G", [(1, 64, 128, 32), (3, 96, 256, 64), (16, 40, 192, 64), (17, 64, 128, 128),
-                                     (33, 80, 256, 32)])
+                                     (33, 80, 384, 128), (2, 32, 576, 64)])
 def test_matches_reference(dtype, M, N, K, G):
     qw, s, z = make_weight(N, K, G)
     x = torch.randn(M, K, device=DEVICE).to(dtype)
@@ -38,11 +38,11 @@ def test_matches_reference(dtype, M, N, K, G):
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_split_k_and_strided_input(split):
     """Split-K partial sums add up to the unsplit result; a non-contiguous x is read correctly."""
-    M, N, K, G = 5, 48, 256, 32
+    M, N, K, G = 5, 48, 640, 32
     qw, s, z = make_weight(N, K, G, seed=1)
     big = torch.randn(M, 2 * K, device=DEVICE)
     x = big[:, ::2]
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split, "num_warps": 1, "num_stages": 1}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 1, "num_stages": 1}
     out = w4a16_gemm(x, qw, s, z, config=cfg)
     assert rel_err(out, w4a16_ref(x.contiguous(), qw, s, z)) < 1e-5
 
@@ -78,3 +78,18 @@ def test_llama8b_shapes_bf16(M, N, K):
     qw, s, z = make_weight(N, K, 128)
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     assert rel_err(w4a16_gemm(x, qw, s, z), w4a16_ref(x, qw, s, z)) < 1e-2
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="float8 in Triton's CPU interpreter is not supported; GPU only")
+@pytest.mark.parametrize("T,K", [(1, 4096), (7, 576), (1024, 14336)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_per_token_quant_fp8(T, K, dtype):
+    from kiln.kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref
+
+    x = (torch.randn(T, K, device="cuda") * 3).to(dtype)
+    x[0, 5] = 300.0
+    q, s = per_token_quant_fp8(x)
+    qr, sr = per_token_quant_fp8_ref(x)
+    assert torch.allclose(s, sr, rtol=1e-6, atol=0)
+    deq, deqr = q.float() * s, qr.float() * sr
+    assert rel_err(deq, deqr) < 1e-2 and rel_err(deq, x.float()) < 0.05

@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from kiln_server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

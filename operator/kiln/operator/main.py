@@ -144,13 +144,45 @@ def build_registry(controller: Controller, kube: Kube):
     return reg
 
 
+class Stopper:
+    """A thread-safe stop request for kopf.  kopf waits for a ``threading.Event`` stop flag
+    in an executor thread that never ends if kopf stops for another reason (SIGTERM), which
+    keeps the process alive; an ``asyncio.Event`` set through ``call_soon_threadsafe`` does not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self.requested = False
+
+    def attach(self) -> asyncio.Event:
+        """Called inside the running loop: the event to hand to kopf."""
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            self._event = asyncio.Event()
+            if self.requested:
+                self._event.set()
+            return self._event
+
+    def set(self) -> None:
+        """Request a stop (from any thread)."""
+        with self._lock:
+            self.requested = True
+            if self._loop is not None and self._event is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._event.set)
+                except RuntimeError:  # the loop is already closed
+                    pass
+
+
 async def operate(opts: OperatorOptions, kube: Kube, controller: Controller,
-                  stop_flag: Any = None, ready_flag: Any = None) -> None:
-    """Run kopf with the operator's registry until ``stop_flag`` or a signal."""
+                  stopper: Stopper | None = None, ready_flag: Any = None) -> None:
+    """Run kopf with the operator's registry until ``stopper`` is set or a signal arrives."""
     import kopf
 
     settings = kopf.OperatorSettings()
     settings.process.ultimate_exiting_timeout = None
+    stop_flag = (stopper or Stopper()).attach()
     await kopf.operator(
         registry=build_registry(controller, kube), settings=settings, standalone=True,
         clusterwide=not opts.namespaces, namespaces=opts.namespaces,
@@ -186,12 +218,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     if elector is not None and not elector.acquire():
         return 0
     lost = threading.Event()
-    stop = threading.Event()
+    stop = Stopper()
     if elector is not None:
         elector.keep(lambda: (lost.set(), stop.set()))
     controller = make_controller(opts, kube)
     try:
-        asyncio.run(operate(opts, kube, controller, stop_flag=stop, ready_flag=ready))
+        asyncio.run(operate(opts, kube, controller, stopper=stop, ready_flag=ready))
     except KeyboardInterrupt:
         pass
     finally:
@@ -206,7 +238,7 @@ class RunningOperator:
     """An operator running in a background thread (``start_in_thread``)."""
 
     thread: threading.Thread
-    stop_flag: threading.Event
+    stop_flag: Stopper
     ready_flag: threading.Event
     controller: Controller
     kube: Kube
@@ -230,7 +262,7 @@ def start_in_thread(opts: OperatorOptions, wait_ready: float = 60.0) -> RunningO
     still waiting for the Lease)."""
     kube = Kube(KubeConfig(kubeconfig=opts.kubeconfig, context=opts.context, pool_size=opts.workers + 8))
     controller = make_controller(opts, kube)
-    stop, ready = threading.Event(), threading.Event()
+    stop, ready = Stopper(), threading.Event()
     elector = _elector(opts, kube) if opts.leader_election else None
     handle = RunningOperator(threading.Thread(), stop, ready, controller, kube, elector)
 
@@ -240,7 +272,7 @@ def start_in_thread(opts: OperatorOptions, wait_ready: float = 60.0) -> RunningO
                 if not elector.acquire():
                     return
                 elector.keep(stop.set)
-            asyncio.run(operate(opts, kube, controller, stop_flag=stop, ready_flag=ready))
+            asyncio.run(operate(opts, kube, controller, stopper=stop, ready_flag=ready))
         except BaseException as e:  # noqa: BLE001 - surfaced to the test
             handle.errors.append(e)
             log.exception("operator thread failed")

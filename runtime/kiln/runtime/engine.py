@@ -332,8 +332,10 @@ class LLMEngine:
         for c in p.children:
             delta_ids, c.pending_tokens = c.pending_tokens, []
             delta_lps, c.pending_logprobs = c.pending_logprobs, []
+            # Running requests share the live token list (read-only view); a finished one gets a copy.
+            toks = c.request.output_token_ids
             comps.append(CompletionOutput(
-                index=c.index, text=c.detok.text, token_ids=list(c.request.output_token_ids),
+                index=c.index, text=c.detok.text, token_ids=list(toks) if c.finish_reason else toks,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, logprobs=c.logprobs,
                 delta_text=c.detok.take_delta(c.finish_reason is not None),
                 delta_token_ids=delta_ids, delta_logprobs=delta_lps,

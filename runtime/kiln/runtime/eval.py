@@ -151,6 +151,7 @@ def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 
 def add_eval_args(subparsers) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand (with ``perplexity`` and ``agreement``) to ``subparsers``."""
     p = subparsers.add_parser("eval", help="accuracy of a model or engine (perplexity, greedy agreement)")
+    p.set_defaults(func=run_eval)
     sub = p.add_subparsers(dest="eval_command", required=True)
     pp = sub.add_parser("perplexity", help="perplexity and token count on a text file")
     g = pp.add_mutually_exclusive_group(required=True)

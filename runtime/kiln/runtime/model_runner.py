@@ -156,7 +156,7 @@ class ModelRunner:
         for sr in out.scheduled:
             req = sr.request
             start, n = sr.num_computed_tokens, sr.num_new_tokens
-            toks = req.all_token_ids[start : start + n]
+            toks = req.token_slice(start, start + n)
             input_ids.extend(toks)
             positions.extend(range(start, start + n))
             blocks = sr.block_ids
@@ -206,6 +206,9 @@ class ModelRunner:
         self.g_block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_host = torch.zeros(4, max_bs, dtype=torch.int64, pin_memory=True)
+        self.g_host_table = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self.g_host_table_np = self.g_host_table.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.g_outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -241,22 +244,27 @@ class ModelRunner:
             return None
         bs = next(b for b in self.graph_bs if b >= n)
         blk = self.block_size
-        ids, pos, slots, lens = [], [], [], []
-        table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32)
+        host = self.g_host  # pinned [4, max_bs] int64: ids, positions, slots, seq_lens
+        table = self.g_host_table  # pinned [max_bs, max_blocks] int32
+        h_ids, h_pos, h_slot, h_len = host[0], host[1], host[2], host[3]
+        tnp = self.g_host_table_np
         for i, sr in enumerate(out.scheduled):
             p = sr.num_computed_tokens
-            ids.append(sr.request.all_token_ids[p])
-            pos.append(p)
-            slots.append(sr.block_ids[p // blk] * blk + p % blk)
-            lens.append(p + 1)
-            table[i, : len(sr.block_ids)] = torch.tensor(sr.block_ids, dtype=torch.int32)
-        pad = bs - n
-        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        self.g_input_ids[:bs].copy_(host[0], non_blocking=True)
-        self.g_positions[:bs].copy_(host[1], non_blocking=True)
-        self.g_slots[:bs].copy_(host[2], non_blocking=True)
-        self.g_seq_lens[:bs].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.g_block_tables[:bs].copy_(table, non_blocking=True)
+            b = sr.block_ids
+            h_ids[i] = sr.request.token_at(p)
+            h_pos[i] = p
+            h_slot[i] = b[p // blk] * blk + p % blk
+            h_len[i] = p + 1
+            tnp[i, : len(b)] = b
+        if bs > n:
+            host[:3, n:bs] = 0
+            h_slot[n:bs] = -1
+            h_len[n:bs] = 0
+        self.g_input_ids[:bs].copy_(h_ids[:bs], non_blocking=True)
+        self.g_positions[:bs].copy_(h_pos[:bs], non_blocking=True)
+        self.g_slots[:bs].copy_(h_slot[:bs], non_blocking=True)
+        self.g_seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
+        self.g_block_tables[:bs].copy_(table[:bs], non_blocking=True)
         self.graphs[bs].replay()
         return self.g_outputs[bs][:n]
 

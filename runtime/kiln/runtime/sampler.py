@@ -91,7 +91,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     greedy = [r.params.greedy for r in rows]
     chosen = torch.empty(S, dtype=torch.int64, device=logits.device)
     g_idx = [i for i in range(S) if greedy[i]]
-    if g_idx:
+    if len(g_idx) == S:
+        chosen = logits.argmax(dim=-1)
+    elif g_idx:
         gi = torch.tensor(g_idx, device=logits.device)
         chosen[gi] = logits[gi].argmax(dim=-1)
     for i in range(S):

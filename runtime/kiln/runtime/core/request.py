@@ -91,5 +91,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating prompt and output (O(end-start))."""
+        np_ = len(self.prompt_token_ids)
+        if end <= np_:
+            return self.prompt_token_ids[start:end]
+        if start >= np_:
+            return self.output_token_ids[start - np_ : end - np_]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - np_]
+
+    def token_at(self, pos: int) -> int:
+        """``all_token_ids[pos]`` in O(1)."""
+        np_ = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < np_ else self.output_token_ids[pos - np_]
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

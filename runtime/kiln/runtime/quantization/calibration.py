@@ -166,17 +166,19 @@ class LayerwiseCalibrator:
                 h.remove()
         return {name: c.finish() for name, c in collectors.items()}
 
-    def advance(self, index: int, kv_absmax: bool = False) -> tuple[float, float] | None:
+    def advance(self, index: int, kv_absmax: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run decoder layer ``index`` (as it is now, e.g. quantized) on the samples; its
         outputs become the next layer's inputs.  With ``kv_absmax`` also return max |K| and
-        max |V| written to the KV cache (after RoPE), for FP8 KV cache scales."""
+        max |V| per KV head (float32 [Hkv] each) written to the KV cache (after RoPE), for FP8
+        KV cache scales."""
         layer = self.model.model.layers[index]
-        amax = [0.0, 0.0]
+        amax: list = [None, None]
 
         def hook(module, args):
-            _, k, v, _ = args
-            amax[0] = max(amax[0], float(k.detach().abs().max()))
-            amax[1] = max(amax[1], float(v.detach().abs().max()))
+            _, k, v, _ = args  # [T, Hkv, D]
+            for j, t in enumerate((k, v)):
+                m = t.detach().abs().amax(dim=(0, 2)).float().cpu()
+                amax[j] = m if amax[j] is None else torch.maximum(amax[j], m)
 
         h = layer.self_attn.attn.register_forward_pre_hook(hook) if kv_absmax else None
         try:
@@ -188,7 +190,7 @@ class LayerwiseCalibrator:
 
 
 def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, kv_fp8: bool,
-                   progress: Callable[[str, int, int], None] | None = None) -> list[tuple[float, float]] | None:
+                   progress: Callable[[str, int, int], None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Apply ``handler`` to every decoder layer, calibrating when needed.
 
     Args:
@@ -198,7 +200,7 @@ def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, k
         kv_fp8: also measure K/V ranges for an FP8 KV cache.
         progress: ``progress(stage, done, total)`` callback.
     Returns:
-        per-layer ``(max|K|, max|V|)`` when ``kv_fp8``, else None.
+        per-layer ``(max|K|, max|V|)`` per KV head (float32 [Hkv]) when ``kv_fp8``, else None.
     """
     layers = model.model.layers
     n = len(layers)
@@ -212,7 +214,7 @@ def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, k
     if not samples:
         raise ValueError("calibration needs at least one sample")
     cal = LayerwiseCalibrator(model, samples)
-    kv: list[tuple[float, float]] = []
+    kv: list = []
     for i, layer in enumerate(layers):
         stats = cal.collect(i, handler.wants) if handler.needs_calibration else None
         handler.quantize_layer(layer, f"model.layers.{i}", stats)

@@ -64,13 +64,23 @@ class Fp8LinearMethod(LinearMethod):
                                "weight_scale": torch.empty(N, dtype=torch.float32, device=dev)})
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
-        xq, xs = quantize_rows_fp8(x)
         if _scaled_mm_ok(x, layer):
+            xq, xs = _quant_kernel()(x.contiguous())
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
                                  out_dtype=x.dtype)
             return y if layer.bias is None else y + layer.bias
+        xq, xs = quantize_rows_fp8(x)
         w = cached_dequant(layer, lambda: (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype))
         return F.linear((xq.float() * xs).to(x.dtype), w, layer.bias)
+
+
+def _quant_kernel():
+    """The fused per-token quantizer (``kiln.kernels.fp8_quant``), or the torch one."""
+    try:
+        from kiln.kernels.fp8_quant import per_token_quant_fp8  # noqa: PLC0415
+    except Exception:  # pragma: no cover - kernels unavailable
+        return quantize_rows_fp8
+    return per_token_quant_fp8
 
 
 class Fp8Handler(QuantHandler):

@@ -1,13 +1,15 @@
-"""``--kv-cache-dtype fp8``: an FP8 (E4M3) KV cache with calibrated per-layer scales.
+"""``--kv-cache-dtype fp8``: an FP8 (E4M3) KV cache with calibrated per-layer, per-KV-head scales.
 
 During calibration the largest |K| (after RoPE) and |V| that each layer writes to its cache
-are measured on the calibration text; the stored scale is ``max / 448`` so the observed range
-maps onto E4M3's finite range (per-tensor static scaling, as in vLLM's and TensorRT-LLM's FP8
-KV caches; FP8 formats: Micikevicius et al., 2022).  The cache stores ``clamp(x / scale)``
+are measured per KV head on the calibration text; the stored scale is ``max / 448`` so the
+observed range maps onto E4M3's finite range (static scaling, as in vLLM's and TensorRT-LLM's
+FP8 KV caches, here per head rather than per tensor; FP8 formats: Micikevicius et al., 2022).
+Values beyond the calibrated range saturate at +-448.  The cache stores ``clamp(x / scale)``
 in float8_e4m3fn and attention reads ``q . (k_fp8 * k_scale)``; the paged attention kernels
 and the torch backend take the scales (``PagedAttention.k_scale`` / ``v_scale``).
 
-Engine tensors: ``model.layers.<i>.self_attn.attn.k_scale`` / ``v_scale``, float32 [1].
+Engine tensors: ``model.layers.<i>.self_attn.attn.k_scale`` / ``v_scale``, float32 [Hkv, 1]
+(broadcast against ``[..., Hkv, D]``; the Triton kernels read them per head).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ FP8_MAX = 448.0
 KV_DTYPE = torch.float8_e4m3fn
 
 
-def scale_tensors(kv_absmax: list[tuple[float, float]]) -> dict[str, torch.Tensor]:
-    """Engine tensors of the per-layer scales from measured ``(max|K|, max|V|)``."""
+def scale_tensors(kv_absmax: list) -> dict[str, torch.Tensor]:
+    """Engine tensors of the scales from measured per-head ``(max|K|, max|V|)`` (float32 [Hkv])."""
     out = {}
     for i, (k, v) in enumerate(kv_absmax):
-        out[f"model.layers.{i}.self_attn.attn.k_scale"] = torch.tensor([max(k, 1e-6) / FP8_MAX], dtype=torch.float32)
-        out[f"model.layers.{i}.self_attn.attn.v_scale"] = torch.tensor([max(v, 1e-6) / FP8_MAX], dtype=torch.float32)
+        out[f"model.layers.{i}.self_attn.attn.k_scale"] = (k.float().clamp(min=1e-6) / FP8_MAX).reshape(-1, 1).contiguous()
+        out[f"model.layers.{i}.self_attn.attn.v_scale"] = (v.float().clamp(min=1e-6) / FP8_MAX).reshape(-1, 1).contiguous()
     return out
 
 

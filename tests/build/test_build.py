@@ -1,0 +1,276 @@
+"""``kiln build`` on a tiny random Llama: every method builds, loads back without the source,
+matches the in-memory quantization, is deterministic, and bad input fails cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.runtime import build as build_mod
+from kiln.runtime.build import BadInputError, BuildError, add_build_args, build_engine, run_build
+from kiln.runtime.engine_format import EngineFormatError, open_engine
+from kiln.runtime.enginespec import COMPLETE_MARKER, MANIFEST_FILENAME, BuildSpec, engine_hash
+
+METHODS = ["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq", "kv-fp8"]
+
+
+def cli(*argv: str) -> int:
+    p = add_build_args(argparse.ArgumentParser())
+    return run_build(p.parse_args(list(argv)))
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name] if parent.exists() else []
+
+
+# -- hash ------------------------------------------------------------------------------------
+def test_hash_is_enginespecs(capsys):
+    assert cli("--model", "builtin:smollm2-135m-instruct", "--output", "/nonexistent", "--quantization", "int4-awq",
+               "--print-hash") == 0
+    h = capsys.readouterr().out.strip()
+    assert h == engine_hash({"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int4-awq"}})
+    # equivalent spelling, same hash
+    assert cli("--model", "builtin:SmolLM2-135M-Instruct", "--output", "/x", "--quantization", "INT4_AWQ",
+               "--group-size", "128", "--print-hash") == 0
+    assert capsys.readouterr().out.strip() == h
+
+
+# -- every method ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", METHODS)
+def test_engine_manifest_and_layout(tiny_engines, name):
+    eng = open_engine(tiny_engines[name])
+    m = eng.manifest
+    assert (eng.path / COMPLETE_MARKER).is_file()
+    assert m["engine_hash"] == eng.path.name or len(m["engine_hash"]) == 16
+    assert m["source"]["sha256"].startswith("sha256:") and m["builder"]["version"]
+    assert "tokenizer.json" in m["tokenizer_files"]
+    assert m["kv_cache_dtype"] == ("fp8" if name == "kv-fp8" else "auto")
+    assert oct((eng.path).stat().st_mode)[-3:] == "755"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_engine_serves_without_source(tiny_engines, tiny_model, tmp_path, name):
+    """LLM(engine=...) loads from the engine alone (source moved away) and its logits stay
+    close to the float model's."""
+    from kiln.runtime.eval import open_model, score_windows
+
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ref_eng = open_model(model=str(tiny_model), window=64)
+    ids = list(ref_eng.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ref, ref_top = score_windows(ref_eng, ids, 64, want_argmax=True)
+    hidden = tmp_path / "moved"
+    shutil.move(str(tiny_model), hidden)
+    try:
+        eng = open_model(engine=str(tiny_engines[name]), window=64)
+        got, top = score_windows(eng, ids, 64, want_argmax=True)
+    finally:
+        shutil.move(str(hidden), tiny_model)
+    bound = {"none": 1e-6, "fp8": 0.05, "int8-smoothquant": 0.05, "int4-awq": 0.2, "int4-gptq": 0.2, "kv-fp8": 0.05}
+    assert abs(got.nll - ref.nll) / ref.nll < bound[name]
+    if name == "none":
+        assert torch.equal(top, ref_top)
+
+
+def test_llm_generate_from_engine(tiny_engines):
+    from kiln.runtime import LLM, SamplingParams
+
+    llm = LLM(engine=str(tiny_engines["int4-awq"]), device="cpu", num_kv_blocks=64)
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_kv_fp8_engine_uses_fp8_cache(tiny_engines):
+    from kiln.runtime.eval import open_model
+
+    eng = open_model(engine=str(tiny_engines["kv-fp8"]), window=32)
+    assert eng.runner.kv_cache_dtype() == torch.float8_e4m3fn
+    attn = eng.runner.model.attention_layers()[0]
+    assert attn.k_cache.dtype == torch.float8_e4m3fn and attn.k_scale.shape == (2, 1) and bool((attn.k_scale > 0).all())
+
+
+# -- determinism -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(quantization="int4-gptq", group_size=32),
+                                dict(quantization="int4-awq", group_size=32, kv_cache_dtype="fp8")])
+def test_deterministic(tiny_model, tmp_path, kw):
+    spec = BuildSpec.from_cli(str(tiny_model), calibration_samples=3, **kw)
+    a = build_engine(spec, str(tiny_model), tmp_path / "a", device="cpu")
+    b = build_engine(spec, str(tiny_model), tmp_path / "b", device="cpu")
+    assert a.engine_hash == b.engine_hash == spec.hash()
+    ma = json.loads((a.path / MANIFEST_FILENAME).read_text())
+    mb = json.loads((b.path / MANIFEST_FILENAME).read_text())
+    assert ma == mb
+    for f in ma["weights"]["files"]:
+        assert (a.path / f["name"]).read_bytes() == (b.path / f["name"]).read_bytes()
+
+
+def test_rebuild_same_path_is_noop(tiny_engines, tiny_model):
+    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8")
+    res = build_engine(spec, str(tiny_model), tiny_engines["fp8"], device="cpu")
+    assert res.status == "exists"
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_unknown_method(tmp_path, capsys):
+    assert cli("--output", str(tmp_path / "e"), "--quantization", "int3-magic") == 2
+    assert "int3-magic" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+def test_group_size_must_divide(tiny_model, tmp_path, capsys):
+    # hidden 64 is not a multiple of 128
+    assert cli("--model", str(tiny_model), "--output", str(tmp_path / "e"), "--quantization", "int4-gptq",
+               "--group-size", "128", "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert "group size 128 does not divide" in err and "[32, 64]" in err
+    assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
+    assert cli("--model", str(tiny_model), "--output", str(tmp_path / "e"), "--quantization", "int4-awq",
+               "--group-size", "48") == 2
+    assert "groupSize" in capsys.readouterr().err
+
+
+def test_unsupported_architecture(tmp_path, capsys):
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert cli("--model", str(src), "--output", str(tmp_path / "e")) == 2
+    assert "unsupported architecture" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
+
+
+def test_corrupt_safetensors(tiny_model, tmp_path, capsys):
+    src = tmp_path / "corrupt"
+    shutil.copytree(tiny_model, src)
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) // 3])
+    assert cli("--model", str(src), "--output", str(tmp_path / "e"), "--device", "cpu") == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
+
+
+def test_truncated_gguf(tmp_path, capsys):
+    from kiln.runtime import loader
+
+    gguf = loader.resolve_source(None).path
+    bad = tmp_path / "truncated.gguf"
+    with open(gguf, "rb") as f:
+        bad.write_bytes(f.read(1 << 16))
+    os.environ["KILN_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        assert cli("--model", str(bad), "--output", str(tmp_path / "e")) == 2
+    finally:
+        del os.environ["KILN_CACHE_DIR"]
+    assert "GGUF" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+def test_missing_source(tmp_path, capsys):
+    assert cli("--model", str(tmp_path / "nope"), "--output", str(tmp_path / "e")) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_read_only_output(tiny_model, capsys):
+    # /proc is read-only even for root
+    assert cli("--model", str(tiny_model), "--output", "/proc/kiln-engine/e", "--device", "cpu") == 1
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_disk_full_leaves_nothing(tiny_model, tmp_path, monkeypatch):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(build_mod, "_save_weights", full)
+    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8")
+    with pytest.raises(BuildError, match="no space left"):
+        build_engine(spec, str(tiny_model), tmp_path / "e", device="cpu")
+    assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
+
+
+def test_existing_foreign_output(tiny_model, tmp_path):
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "something").write_text("x")
+    spec = BuildSpec.from_cli(str(tiny_model))
+    with pytest.raises(BuildError, match="not a complete engine"):
+        build_engine(spec, str(tiny_model), tmp_path / "e", device="cpu")
+    assert (tmp_path / "e" / "something").read_text() == "x"
+
+
+def test_race_loser_keeps_winner(tiny_engines, tiny_model, tmp_path, monkeypatch):
+    """Another builder renames the same engine into place first: this one discards its copy."""
+    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8")
+    out = tmp_path / spec.hash()
+    real = build_mod._build_into
+
+    def racing(*a, **k):
+        real(*a, **k)
+        shutil.copytree(tiny_engines["fp8"], out)  # the winner lands while we finish
+
+    monkeypatch.setattr(build_mod, "_build_into", racing)
+    res = build_engine(spec, str(tiny_model), out, device="cpu")
+    assert res.status == "raced"
+    open_engine(out)
+    assert not leftovers(tmp_path)
+
+
+# -- refusing bad engines ----------------------------------------------------------------------
+@pytest.fixture
+def engine_copy(tiny_engines, tmp_path):
+    dst = tmp_path / "eng"
+    shutil.copytree(tiny_engines["int4-gptq"], dst)
+    return dst
+
+
+def test_refuses_other_format_version(engine_copy):
+    m = json.loads((engine_copy / MANIFEST_FILENAME).read_text())
+    m["format_version"] = 999
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    with pytest.raises(EngineFormatError, match="format version 999"):
+        open_engine(engine_copy)
+    from kiln.runtime import LLM
+
+    with pytest.raises(EngineFormatError, match="rebuild"):
+        LLM(engine=str(engine_copy), device="cpu", num_kv_blocks=8)
+
+
+def test_refuses_modified_weights(engine_copy):
+    f = engine_copy / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(EngineFormatError, match="checksum mismatch"):
+        open_engine(engine_copy)
+
+
+def test_refuses_truncated_weights(engine_copy):
+    f = engine_copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(EngineFormatError, match="truncated"):
+        open_engine(engine_copy)
+
+
+def test_refuses_incomplete_and_edited_manifest(engine_copy):
+    m = json.loads((engine_copy / MANIFEST_FILENAME).read_text())
+    m["build_spec"]["quantization"]["group_size"] = 64
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    with pytest.raises(EngineFormatError, match="does not match its build spec"):
+        open_engine(engine_copy)
+    (engine_copy / COMPLETE_MARKER).unlink()
+    with pytest.raises(EngineFormatError, match="incomplete"):
+        open_engine(engine_copy)
+
+
+def test_eval_cli(tiny_engines, capsys, tmp_path):
+    from kiln.runtime.eval import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("Some held-out English text for the tiny model. " * 10)
+    assert main(["perplexity", "--engine", str(tiny_engines["fp8"]), "--text", str(text), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["num_tokens"] > 50 and r["perplexity"] > 1
+    assert main(["perplexity", "--engine", str(tmp_path / "none"), "--text", str(text)]) == 2

@@ -1,0 +1,172 @@
+"""The README's first command on Kubernetes: `kubectl apply` an InferenceEngine and ask it
+"What is the capital of France?" through its Service with the `openai` client.
+
+    .venv/bin/python tests/cluster/demo_cluster.py [--example examples/smollm2.yaml] [--down]
+
+Without KUBECONFIG (or with KUBECONFIG pointing at a test plane) it builds or reuses the test
+control plane's binaries, starts plane "demo" with one process-backed node (pods run as local
+processes), `helm install`s helm/kiln, runs the operator locally as the chart's
+ServiceAccount, applies the example, prints progress until Ready, asks the question through
+a local proxy to the Service's ready endpoints, and leaves everything running for you to play
+with (`--down` tears it down at the end instead).  A second run reuses the running plane and
+the built engine.
+
+With KUBECONFIG pointing at a real cluster it `helm install`s the chart there (the operator
+runs in the cluster), applies the example, waits for Ready and asks through
+`kubectl port-forward svc/<name> :8000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from plane import PLANES_HOME  # noqa: E402
+
+QUESTION = "What is the capital of France?"
+
+
+def say(msg: str) -> None:
+    print(f"[kiln-demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def ask(base_url: str, question: str = QUESTION) -> str:
+    from openai import OpenAI
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=3, timeout=120)
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                          temperature=0, max_tokens=48)
+    return resp.choices[0].message.content
+
+
+def example_name(path: Path) -> str:
+    m = re.search(r"^metadata:\s*\n\s+name:\s*(\S+)", path.read_text(), re.M)
+    if not m:
+        raise ValueError(f"no metadata.name in {path}")
+    return m.group(1)
+
+
+def is_test_plane(kubeconfig: str | None) -> bool:
+    return not kubeconfig or Path(kubeconfig).resolve().is_relative_to(Path(PLANES_HOME).resolve())
+
+
+def on_plane(a: argparse.Namespace) -> int:
+    from e2e_stack import Stack
+
+    name = example_name(a.example)
+    stack = Stack(a.plane, detached=True)
+    t_start = time.monotonic()
+    ok = False
+    try:
+        stack.up()
+        stack.ensure_namespace(a.namespace)
+        shown = a.example.relative_to(REPO) if a.example.is_relative_to(REPO) else a.example
+        say(f"kubectl apply -n {a.namespace} -f {shown}")
+        t0 = time.monotonic()
+        stack.apply_file(a.example, a.namespace)
+        waited = stack.wait_ready(name, a.namespace, timeout=a.timeout)
+        st = stack.engine(name, a.namespace)["status"]
+        say(f"{name} is Ready {waited:.1f} s after apply (engine {st.get('engineHash', '')[:12]}, "
+            f"build {(st.get('build') or {}).get('state')}, endpoint {st.get('endpoint')})")
+        proxy = stack.proxy(name, a.namespace)
+        eps = proxy.wait_endpoints(1)
+        say(f"Service {a.namespace}/{name}: ready endpoints {eps}; local proxy {proxy.url}")
+        answer = ask(proxy.url)
+        say(f"Q: {QUESTION}")
+        say(f"A: {answer}")
+        say(f"apply -> answer {time.monotonic() - t0:.1f} s, whole demo {time.monotonic() - t_start:.1f} s")
+        ok = "paris" in answer.lower()
+        if not a.down:
+            me = Path(__file__).resolve().relative_to(REPO)
+            print(f"""
+Still running: plane {a.plane!r}, node proc-0 (pods are local processes), the operator.
+    export KUBECONFIG={stack.plane.kubeconfig}
+    {stack.plane.kubectl_bin} get ie,pods,jobs,svc -n {a.namespace}
+    .venv/bin/python tests/cluster/procnode.py logs {a.namespace} <pod> --plane {a.plane}   # pod logs
+Tear down (stops the plane, the node's processes and the operator; built engines stay on disk):
+    .venv/bin/python {me} --down-only --plane {a.plane}
+""", flush=True)
+        return 0 if ok else 2
+    except BaseException:
+        say(f"failed; logs under {stack.plane.dir} (operator.log, procnode.log, procnode/proc-0/pods/)")
+        raise
+    finally:
+        for p in stack.proxies:
+            p.stop()
+        if a.down:
+            stack.down()
+            say(f"torn down (plane {a.plane!r} stopped)")
+
+
+def on_real_cluster(a: argparse.Namespace) -> int:
+    kubectl = shutil.which("kubectl") or "kubectl"
+    helm = shutil.which("helm") or "helm"
+    name = example_name(a.example)
+    say(f"KUBECONFIG={os.environ['KUBECONFIG']}: using that cluster")
+    subprocess.run([helm, "upgrade", "--install", "kiln", str(REPO / "helm/kiln"), "-n", "kiln-system",
+                    "--create-namespace", "--wait"], check=True)
+    subprocess.run([kubectl, "create", "namespace", a.namespace], check=False, capture_output=True)
+    subprocess.run([kubectl, "apply", "-n", a.namespace, "-f", str(a.example)], check=True)
+    t0, last = time.monotonic(), None
+    while True:
+        out = subprocess.run([kubectl, "get", "ie", name, "-n", a.namespace, "-o", "json"],
+                             capture_output=True, text=True).stdout
+        st = json.loads(out or "{}").get("status") or {}
+        view = (st.get("phase"), (st.get("build") or {}).get("state"), st.get("readyReplicas"))
+        if view != last:
+            say(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]} ready={view[2]}")
+            last = view
+        if st.get("phase") == "Ready":
+            break
+        if time.monotonic() - t0 > a.timeout:
+            raise TimeoutError(f"{name} not Ready after {a.timeout} s")
+        time.sleep(2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pf = subprocess.Popen([kubectl, "port-forward", "-n", a.namespace, f"svc/{name}", f"{port}:8000"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        answer = ask(f"http://127.0.0.1:{port}")
+        say(f"Q: {QUESTION}")
+        say(f"A: {answer}")
+    finally:
+        pf.terminate()
+    say(f"tear down: kubectl delete -n {a.namespace} -f {a.example}; helm uninstall kiln -n kiln-system")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--example", type=Path, default=REPO / "examples" / "smollm2.yaml")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--plane", default=os.environ.get("KILN_DEMO_PLANE", "demo"))
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--down", action="store_true", help="tear everything down after the answer")
+    p.add_argument("--down-only", action="store_true", help="only tear down a plane left running")
+    a = p.parse_args(argv)
+    a.example = a.example.resolve()
+    if a.down_only:
+        from e2e_stack import Stack
+        Stack(a.plane).down()
+        say(f"plane {a.plane!r}, its node's processes and the operator stopped")
+        return 0
+    if is_test_plane(os.environ.get("KUBECONFIG")):
+        return on_plane(a)
+    return on_real_cluster(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

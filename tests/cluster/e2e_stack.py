@@ -1,0 +1,260 @@
+"""The whole Kiln stack on the test plane, for the demo (demo_cluster.py) and tests/e2e:
+
+    plane (no kwok GPU nodes) + one process-backed node (procnode.py)
+    + `helm install` of helm/kiln (replicaCount=0: no operator pod)
+    + `kiln operator` as a local process with the chart's ServiceAccount token
+      (so the chart's RBAC is what the operator really gets)
+    + a local proxy per Service (proc_proxy.py) to reach the pods' loopback IPs.
+
+Everything it starts is stopped by ``down()``; logs are under the plane folder:
+``operator.log``, ``procnode/<node>/pods/<ns>_<pod>_<uid8>/<container>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from plane import Plane  # noqa: E402
+from proc_proxy import ServiceProxy  # noqa: E402
+from procnode import ProcNode, pod_log_path  # noqa: E402
+
+RELEASE = "kiln"
+RELEASE_NS = "kiln-system"
+SA = "kiln"  # the chart's ServiceAccount for release "kiln"
+KILN = str(REPO / ".venv" / "bin" / "kiln")
+
+
+def say(msg: str) -> None:
+    print(f"[kiln-demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Stack:
+    """``detached=False`` (tests): the node runs in this process, the operator as its child;
+    ``detached=True`` (the demo): both run as background processes that outlive this one
+    (pids in ``<plane>/stack-pids.json``; ``down()`` or ``Stack(name).down()`` stops them)."""
+
+    def __init__(self, plane_name: str = "demo", node_name: str = "proc-0", operator_args: list[str] | None = None,
+                 log: Callable[[str], None] = say, detached: bool = False):
+        self.plane = Plane(plane_name, num_gpu_nodes=0, gpus_per_node=4)
+        self.node_name = node_name
+        self.detached = detached
+        self.pids_file = Path(self.plane.dir) / "stack-pids.json"
+        self.state_dir = Path(self.plane.dir) / "procnode" / node_name
+        self.operator_args = operator_args or []
+        self.log = log
+        self.node: ProcNode | None = None
+        self.operator: subprocess.Popen | None = None
+        self.proxies: list[ServiceProxy] = []
+        self._api = None
+
+    # -- bring-up --
+    def up(self) -> "Stack":
+        t0 = time.monotonic()
+        self.log(f"control plane {self.plane.name!r}: building binaries if needed, starting (tests/cluster/plane.py)")
+        self.plane.up()
+        self.log(f"control plane up ({time.monotonic() - t0:.1f} s): export KUBECONFIG={self.plane.kubeconfig}")
+        if self.detached:
+            if self._running("procnode") is None:
+                self._spawn("procnode", [sys.executable, str(HERE / "procnode.py"), "run", "--plane", self.plane.name,
+                                         "--name", self.node_name], Path(self.plane.dir) / "procnode.log")
+            self._wait_node()
+        else:
+            self.node = ProcNode(self.plane.kubeconfig, self.node_name, gpus=4,
+                                 apiserver_port=self.plane.state["ports"]["apiserver"]).start()
+        self.log(f"process-backed node {self.node_name} Ready (pod logs: {self.state_dir}/pods/)")
+        if self._running("operator") is None:
+            self.helm_install()
+            self.start_operator()
+        else:
+            self.log("chart installed and operator running (reused)")
+        return self
+
+    # -- background processes (detached mode) --
+    def _pids(self) -> dict:
+        return json.loads(self.pids_file.read_text()) if self.pids_file.exists() else {}
+
+    def _running(self, what: str) -> int | None:
+        pid = self._pids().get(what)
+        if pid is None:
+            return None
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            return None
+        return pid if str(self.plane.dir) in cmd or f"--plane {self.plane.name} " in cmd + " " else None
+
+    def _spawn(self, what: str, args: list[str], logf: Path) -> subprocess.Popen:
+        with open(logf, "ab") as out:
+            p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        pids = self._pids()
+        pids[what] = p.pid
+        self.pids_file.parent.mkdir(parents=True, exist_ok=True)
+        self.pids_file.write_text(json.dumps(pids))
+        return p
+
+    def _wait_node(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = self.kubectl("get", "node", self.node_name, "-o", "json", "--ignore-not-found")
+            if out.strip() and any(c["type"] == "Ready" and c["status"] == "True"
+                                   for c in json.loads(out)["status"].get("conditions") or []):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"node {self.node_name} not Ready (log {self.plane.dir}/procnode.log)")
+
+    @property
+    def api(self):
+        if self._api is None:
+            from kubernetes import client, config
+            self._api = client.CoreV1Api(config.new_client_from_config(config_file=self.plane.kubeconfig))
+        return self._api
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        return self.plane.kubectl(*args, input=input, check=check)
+
+    def helm_install(self) -> None:
+        self.log("helm install kiln helm/kiln (namespace kiln-system; the operator runs locally: replicaCount=0)")
+        r = subprocess.run([self.plane.helm_bin, "upgrade", "--install", RELEASE, str(REPO / "helm" / "kiln"),
+                            "--namespace", RELEASE_NS, "--create-namespace", "--kubeconfig", self.plane.kubeconfig,
+                            "--set", "replicaCount=0", "--wait", "--timeout", "120s"],
+                           capture_output=True, text=True, env=self.plane.env(), timeout=180)
+        if r.returncode != 0:
+            raise RuntimeError(f"helm install failed:\n{r.stdout}\n{r.stderr}")
+        self.kubectl("wait", "--for=condition=Established", "crd/inferenceengines.kiln.dev", "--timeout=60s")
+
+    def sa_kubeconfig(self) -> str:
+        """A kubeconfig with the chart ServiceAccount's token (what the operator pod would get)."""
+        import yaml
+        token = self.kubectl("create", "token", SA, "-n", RELEASE_NS, "--duration=24h").strip()
+        path = Path(self.plane.dir) / "operator-sa.kubeconfig"
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+            "clusters": [{"name": "plane", "cluster": {"server": self.plane.server,
+                                                        "certificate-authority": str(self.plane.pki / "ca.crt")}}],
+            "users": [{"name": "sa", "user": {"token": token}}],
+            "contexts": [{"name": "sa", "context": {"cluster": "plane", "user": "sa"}}]}))
+        return str(path)
+
+    def start_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            return
+        logf = Path(self.plane.dir) / "operator.log"
+        kc = self.sa_kubeconfig()
+        # `kiln operator --flag` is refused by the CLI today (argparse REMAINDER): run the module.
+        args = [sys.executable, "-m", "kiln.operator.main", "--kubeconfig", kc, "--all-namespaces",
+                "--lease-namespace", RELEASE_NS, "--lease-name", RELEASE, "--identity", "local-operator",
+                "--resync-seconds", "10", "--autoscale-seconds", "3", *self.operator_args]
+        self.operator = self._spawn("operator", args, logf)
+        self.log(f"kiln operator started as ServiceAccount {RELEASE_NS}/{SA} (pid {self.operator.pid}, log {logf})")
+
+    def stop_operator(self) -> None:
+        self._stop_pid("operator", 15)
+        self.operator = None
+
+    def _stop_pid(self, what: str, grace: float) -> None:
+        pid = self._running(what)
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self._running(what) == pid:
+            if self.operator is not None and what == "operator":
+                self.operator.poll()  # reap our child
+            time.sleep(0.2)
+        if self._running(what) == pid:
+            os.kill(pid, signal.SIGKILL)
+        pids = self._pids()
+        pids.pop(what, None)
+        if self.pids_file.parent.exists():
+            self.pids_file.write_text(json.dumps(pids))
+
+    def down(self, keep_plane: bool = False, remove: bool = False) -> None:
+        for p in self.proxies:
+            p.stop()
+        self.proxies.clear()
+        self.stop_operator()
+        if self.node is not None:
+            self.node.stop(delete_node=keep_plane)
+            self.node = None
+        self._stop_pid("procnode", 40)
+        if not keep_plane:
+            self.plane.down(remove=remove)
+
+    # -- resources --
+    def ensure_namespace(self, ns: str) -> None:
+        if not self.kubectl("get", "namespace", ns, "--ignore-not-found"):
+            self.kubectl("create", "namespace", ns)
+
+    def apply_file(self, path: str | Path, ns: str) -> None:
+        self.kubectl("apply", "-n", ns, "-f", str(path))
+
+    def apply_obj(self, obj: dict, ns: str) -> None:
+        self.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+
+    def engine(self, name: str, ns: str) -> dict | None:
+        out = self.kubectl("get", "inferenceengine", name, "-n", ns, "-o", "json", "--ignore-not-found")
+        return json.loads(out) if out.strip() else None
+
+    def pods(self, ns: str, selector: str = "") -> list[dict]:
+        args = ["get", "pods", "-n", ns, "-o", "json"] + (["-l", selector] if selector else [])
+        return json.loads(self.kubectl(*args))["items"]
+
+    def wait_ready(self, name: str, ns: str, timeout: float = 900, generation: int | None = None,
+                   progress: bool = True) -> float:
+        """Waits until the engine's phase is Ready (for ``generation`` or later); prints each
+        change of phase, build state, replicas and pods.  Returns the seconds waited."""
+        t0 = time.monotonic()
+        last = None
+        while time.monotonic() - t0 < timeout:
+            ie = self.engine(name, ns) or {}
+            st = ie.get("status") or {}
+            pods = self.pods(ns, f"kiln.dev/engine={name}")
+            podsum = ", ".join(sorted(f"{p['metadata']['name']}:{self._pod_state(p)}" for p in pods)) or "-"
+            view = (st.get("phase"), (st.get("build") or {}).get("state"), st.get("readyReplicas"), podsum)
+            if progress and view != last:
+                self.log(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]} "
+                         f"ready={view[2]} pods=[{podsum}]")
+                last = view
+            gen_ok = generation is None or int(st.get("observedGeneration") or 0) >= generation
+            if st.get("phase") == "Ready" and gen_ok:
+                return time.monotonic() - t0
+            if st.get("phase") == "Degraded":
+                raise RuntimeError(f"{ns}/{name} is Degraded: {json.dumps(st.get('conditions'), indent=1)}\n"
+                                   + self.failure_logs(ns, name))
+            time.sleep(1)
+        raise TimeoutError(f"{ns}/{name} not Ready after {timeout:.0f} s\n" + self.failure_logs(ns, name))
+
+    @staticmethod
+    def _pod_state(p: dict) -> str:
+        st = p.get("status") or {}
+        if p["metadata"].get("deletionTimestamp"):
+            return "Terminating"
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
+        return st.get("phase", "?") + ("/Ready" if ready else "")
+
+    def failure_logs(self, ns: str, name: str, tail: int = 3000) -> str:
+        out = []
+        for p in self.pods(ns, f"kiln.dev/engine={name}"):
+            path = pod_log_path(self.state_dir, ns, p["metadata"]["name"])
+            if path is not None:
+                out.append(f"--- {path}\n{path.read_text(errors='replace')[-tail:]}")
+        op = Path(self.plane.dir) / "operator.log"
+        if op.exists():
+            out.append(f"--- {op}\n{op.read_text(errors='replace')[-tail:]}")
+        return "\n".join(out)
+
+    def proxy(self, service: str, ns: str) -> ServiceProxy:
+        p = ServiceProxy(self.api, ns, service).start()
+        self.proxies.append(p)
+        return p

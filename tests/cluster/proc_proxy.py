@@ -1,0 +1,141 @@
+"""A tiny kube-proxy for one Service of the test plane: a local TCP port that forwards each
+connection to one of the Service's ready endpoints (from its EndpointSlices), round robin.
+
+Test infrastructure (the plane has no kube-proxy and the pods' loopback IPs are not behind a
+ClusterIP).  Like kube-proxy it routes only to endpoints whose ``conditions.ready`` is true,
+as the EndpointSlice controller last wrote them (polled every ``poll_seconds``).  Unlike
+iptables it retries the TCP connect on another ready endpoint when one refuses (nothing has
+been sent yet, so that is always safe), which is what a load balancer with health checks does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+
+log = logging.getLogger("proc_proxy")
+
+
+class ServiceProxy:
+    """``ServiceProxy(core_v1_api, namespace, service).start()`` -> ``.url`` (http://127.0.0.1:PORT)."""
+
+    def __init__(self, api, namespace: str, service: str, port_name: str | None = None,
+                 listen_host: str = "127.0.0.1", listen_port: int = 0, poll_seconds: float = 0.2):
+        from kubernetes import client
+        self.discovery = client.DiscoveryV1Api(api.api_client)
+        self.namespace, self.service, self.port_name = namespace, service, port_name
+        self.poll_seconds = poll_seconds
+        self.endpoints: list[tuple[str, int]] = []
+        self._rr = itertools.count()
+        self._stop = threading.Event()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((listen_host, listen_port))
+        self.sock.listen(256)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{listen_host}:{self.port}"
+        self.num_connections = 0
+        self.num_connect_retries = 0
+
+    def refresh(self) -> list[tuple[str, int]]:
+        slices = self.discovery.list_namespaced_endpoint_slice(
+            self.namespace, label_selector=f"kubernetes.io/service-name={self.service}").items
+        eps = []
+        for s in slices:
+            ports = [p for p in (s.ports or []) if self.port_name is None or p.name == self.port_name]
+            if not ports:
+                continue
+            for ep in s.endpoints or []:
+                cond = ep.conditions
+                if cond is not None and cond.ready is False:
+                    continue
+                if cond is not None and cond.terminating:
+                    continue
+                eps += [(addr, ports[0].port) for addr in ep.addresses]
+        self.endpoints = sorted(eps)
+        return self.endpoints
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.refresh()
+            except Exception as e:  # noqa: BLE001
+                log.debug("endpoint refresh failed: %s", e)
+
+    def _pick_and_connect(self) -> socket.socket | None:
+        eps = list(self.endpoints)
+        if not eps:
+            return None
+        start = next(self._rr)
+        for i in range(len(eps)):
+            addr = eps[(start + i) % len(eps)]
+            try:
+                return socket.create_connection(addr, timeout=5)
+            except OSError:
+                self.num_connect_retries += 1
+        return None
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def _handle(self, client: socket.socket) -> None:
+        upstream = self._pick_and_connect()
+        if upstream is None:
+            client.close()
+            return
+        upstream.settimeout(None)
+        self.num_connections += 1
+        t = threading.Thread(target=self._pump, args=(upstream, client), daemon=True)
+        t.start()
+        self._pump(client, upstream)
+        t.join()
+        client.close()
+        upstream.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(c,), daemon=True).start()
+
+    def start(self) -> "ServiceProxy":
+        try:
+            self.refresh()
+        except Exception:  # noqa: BLE001
+            pass
+        for fn in (self._poll, self._accept):
+            threading.Thread(target=fn, daemon=True, name=f"proxy-{fn.__name__}").start()
+        return self
+
+    def wait_endpoints(self, n: int = 1, timeout: float = 60) -> list[tuple[str, int]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.refresh()) >= n:
+                return self.endpoints
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.namespace}/{self.service}: fewer than {n} ready endpoints")
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
