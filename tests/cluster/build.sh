@@ -109,6 +109,13 @@ case "${1:-}" in
 esac
 
 if have_all; then echo "$bin"; exit 0; fi
+mkdir -p "$cache"
+if command -v flock >/dev/null; then
+  # One build at a time per cache folder: a second caller waits, then finds the binaries there.
+  exec 9>"$cache/.lock"
+  flock -n 9 || { log "another build.sh is building into $cache: waiting for it"; flock 9; }
+  if have_all; then echo "$bin"; exit 0; fi
+fi
 command -v go >/dev/null || { log "go is not installed"; exit 1; }
 check_pins
 mkdir -p "$bin"

@@ -1,0 +1,96 @@
+"""Sampler unit tests: each filter against a direct computation, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.runtime.sampler import SamplingRow, sample
+from kiln.runtime.sampling_params import SamplingParams
+
+
+def _row(prompt=(1, 2), out=(), seed=None, **kw):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(SamplingParams(**kw), list(prompt), list(out), g)
+
+
+def _draws(logits, n=400, **kw):
+    counts = torch.zeros(logits.shape[-1])
+    for i in range(n):
+        t = sample(logits.clone().unsqueeze(0), [_row(seed=i, **kw)]).token_ids[0]
+        counts[t] += 1
+    return counts / n
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    out = sample(logits.clone(), [_row(temperature=0.0) for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_only_keeps_k():
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    freq = _draws(logits, top_k=2, temperature=1.0)
+    assert freq[2:].sum() == 0 and freq[0] > freq[1] > 0
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    freq = _draws(probs.log(), top_p=0.75, temperature=1.0)
+    assert freq[2:].sum() == 0  # 0.5 + 0.3 >= 0.75: tokens 2 and 3 dropped
+    assert freq[1] > 0.2
+
+
+def test_min_p_drops_low_tokens():
+    probs = torch.tensor([0.6, 0.3, 0.07, 0.03])
+    freq = _draws(probs.log(), min_p=0.1, temperature=1.0)  # threshold 0.06
+    assert freq[3] == 0 and freq[2] > 0
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([1.0, 0.0])
+    hot = _draws(logits, temperature=2.0)[0]
+    cold = _draws(logits, temperature=0.25)[0]
+    assert cold > hot
+    assert abs(_draws(logits, n=2000, temperature=1.0)[0] - 1 / (1 + math.exp(-1))) < 0.04
+
+
+def test_seed_reproducible_and_distinct():
+    logits = torch.zeros(1, 1000)
+    a = [sample(logits.clone(), [_row(seed=7, temperature=1.0)]).token_ids[0] for _ in range(3)]
+    assert len(set(a)) == 1
+    b = {sample(logits.clone(), [_row(seed=s, temperature=1.0)]).token_ids[0] for s in range(10)}
+    assert len(b) > 5
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 0.5]])
+    # repetition: positive logits divided, negative multiplied, for prompt and output tokens
+    out = logits.clone()
+    sample(out, [_row(prompt=(0,), out=(2,), repetition_penalty=2.0, temperature=0.0)])
+    assert out[0].tolist() == [1.0, 2.0, -2.0, 0.5]
+    # frequency and presence: on generated tokens only, by count
+    out = logits.clone()
+    sample(out, [_row(prompt=(3,), out=(1, 1, 0), frequency_penalty=0.5, presence_penalty=0.25, temperature=0.0)])
+    assert out[0].tolist() == pytest.approx([2.0 - 0.5 - 0.25, 2.0 - 1.0 - 0.25, -1.0, 0.5])
+
+
+def test_logprobs_are_raw_distribution():
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
+    ref = torch.log_softmax(logits, -1)[0]
+    out = sample(logits.clone(), [_row(temperature=0.0, logprobs=2, repetition_penalty=1.5)])
+    lp, top = out.logprobs[0]
+    assert lp == pytest.approx(ref[0].item())
+    assert [t for t, _ in top] == [0, 1] and top[1][1] == pytest.approx(ref[1].item())
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.1}, "top_p"),
+    ({"n": 0}, "n must"), ({"n": 99}, "99"), ({"max_tokens": 0}, "max_tokens"), ({"top_k": -5}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"logprobs": 50}, "50"), ({"repetition_penalty": 0}, "repetition_penalty"),
+])
+def test_params_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
