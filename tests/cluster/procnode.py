@@ -16,8 +16,10 @@ Test infrastructure, not product code.  The agent
   rewriting paths (an argument, env value or working dir equal to or under a ``mountPath``
   becomes the host folder: PVC -> its PV's folder, emptyDir -> ``<pod dir>/volumes/<name>``,
   hostPath -> itself, configMap/secret/projected -> files written there);
-- gives each pod a loopback IP (127.0.<N>.x, set as ``status.podIP``).  All pods share the
-  host's network namespace, so a wildcard listen address (``0.0.0.0``) in args or env is
+- gives each pod its own IP, set as ``status.podIP``: 10.244.250.x added to the loopback
+  interface as a /32 (``ip addr add``, removed when the pod ends; EndpointSlices refuse
+  127.0.0.0/8, so a plain loopback IP would leave Services without endpoints; without
+  CAP_NET_ADMIN it falls back to 127.0.250.x).  All pods share the host's network namespace, so a wildcard listen address (``0.0.0.0``) in args or env is
   rewritten to the pod IP: two replicas can both listen on :8000;
 - evaluates startup, readiness and liveness probes for real (httpGet, tcpSocket, exec) with
   the pod's periods and thresholds; liveness or startup failure restarts the container;
@@ -542,7 +544,7 @@ class ProcNode:
     """The agent.  ``start()`` runs it in background threads; ``stop()`` kills its pods."""
 
     def __init__(self, kubeconfig: str, name: str = "proc-0", state_dir: Path | str | None = None,
-                 gpus: int = 4, cpu: str = "32", memory: str = "256Gi", ip_subnet: int = 1,
+                 gpus: int = 4, cpu: str = "32", memory: str = "256Gi", ip_subnet: int = 250,
                  apiserver_port: int = 443, share_model_cache: bool = True, max_grace_seconds: float = 30,
                  provision_volumes: bool = True, extra_env: dict[str, str] | None = None,
                  poll_seconds: float = 0.5):
@@ -551,6 +553,8 @@ class ProcNode:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gpus, self.cpu, self.memory = gpus, cpu, memory
         self.ip_subnet = ip_subnet
+        self.ip_prefix = f"10.244.{ip_subnet}"
+        self.loopback_ips = False
         self.apiserver_port = apiserver_port
         self.model_cache = (os.environ.get("KILN_CACHE_DIR") or str(Path.home() / ".cache" / "kiln")) \
             if share_model_cache else None
@@ -567,17 +571,42 @@ class ProcNode:
 
     # -- IPs --
     def take_ip(self) -> str:
+        """A pod IP: ``10.244.<ip_subnet>.x`` added to ``lo`` as a /32 (EndpointSlices refuse
+        loopback addresses).  An address already on ``lo`` (another node's pod) is skipped, so
+        nodes of several planes never share one.  Without the right to add addresses
+        (CAP_NET_ADMIN) it falls back to 127.0.<ip_subnet>.x, where Services get no endpoints."""
         with self._ips_lock:
+            if self.loopback_ips:
+                return self._take_loopback()
             for x in range(2, 255):
-                ip = f"127.0.{self.ip_subnet}.{x}"
-                if ip not in self._ips_used:
+                ip = f"{self.ip_prefix}.{x}"
+                if ip in self._ips_used:
+                    continue
+                r = subprocess.run(["ip", "addr", "add", f"{ip}/32", "dev", "lo"], capture_output=True, text=True)
+                if r.returncode == 0:
                     self._ips_used.add(ip)
                     return ip
+                if "exists" not in r.stderr:
+                    log.warning("cannot add pod IPs to lo (%s): falling back to 127.0.%d.x; Services will "
+                                "have no endpoints", r.stderr.strip(), self.ip_subnet)
+                    self.loopback_ips = True
+                    self.ip_prefix = f"127.0.{self.ip_subnet}"
+                    return self._take_loopback()
+        raise RuntimeError("no free pod IP")
+
+    def _take_loopback(self) -> str:
+        for x in range(2, 255):
+            ip = f"{self.ip_prefix}.{x}"
+            if ip not in self._ips_used:
+                self._ips_used.add(ip)
+                return ip
         raise RuntimeError("no free pod IP")
 
     def release_ip(self, ip: str) -> None:
         with self._ips_lock:
             self._ips_used.discard(ip)
+            if not self.loopback_ips:
+                subprocess.run(["ip", "addr", "del", f"{ip}/32", "dev", "lo"], capture_output=True)
 
     # -- the Node object --
     def node_object(self) -> dict:
@@ -695,7 +724,11 @@ class ProcNode:
                     if pod.get("status", {}).get("phase") in ("Succeeded", "Failed") and \
                             not pod["metadata"].get("deletionTimestamp"):
                         continue  # finished before this agent started
-                    if pod["metadata"].get("deletionTimestamp"):
+                    orphan = bool((pod.get("status") or {}).get("podIP"))  # ran under an earlier agent
+                    if orphan:
+                        log.warning("%s/%s ran under an earlier agent: deleting it (its controller recreates it)",
+                                    pod["metadata"]["namespace"], pod["metadata"]["name"])
+                    if pod["metadata"].get("deletionTimestamp") or orphan:
                         # Nothing runs for it here (finished earlier or never started): finish the delete.
                         try:
                             api.delete_namespaced_pod(pod["metadata"]["name"], pod["metadata"]["namespace"],

@@ -83,3 +83,19 @@ def test_unreachable_pods_are_skipped():
     assert not a.observe("k", [{"metadata": {"name": "p"}}], 1,
                          {"minReplicas": 1, "maxReplicas": 2, "targetQueueTimeSeconds": 1,
                           "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0}, "now")
+
+
+def test_out_of_cluster_fetcher_scrapes_only_loopback_pods():
+    import pytest
+
+    from kiln.operator.autoscaler import http_fetcher
+
+    fetch = http_fetcher(timeout=0.2, loopback_only=True)
+    with pytest.raises(LookupError, match="not reachable"):
+        fetch({"status": {"podIP": "10.244.0.7"}})  # never contacted
+    with pytest.raises(LookupError):
+        fetch({"status": {}})
+    try:  # loopback is tried (a local `kiln serve` may even answer)
+        fetch({"status": {"podIP": "127.0.0.1"}})
+    except OSError:
+        pass

@@ -124,3 +124,23 @@ def test_names_fit_dns_labels():
     assert b.job_name(long, H) != b.job_name({**long, "name": "x" * 62 + "y"}, H)
     assert len(b.deployment_name(long)) <= 63
     assert b.to_quantity(0.5) == "500m" and b.to_quantity(3) == "3" and b.to_quantity(0.001) == "1m"
+
+
+def test_build_job_args_are_kiln_builds_flags_and_give_the_operators_hash():
+    import argparse
+
+    import pytest
+
+    build = pytest.importorskip("kiln.runtime.build")
+    for spec in [SPEC, {"model": {"builtin": "smollm2-135m-instruct", "checksum": "sha256:" + "a" * 64},
+                        "build": {"quantization": "int8-smoothquant", "smoothquantAlpha": "750m", "kvCacheDtype": "fp8"}}]:
+        h = engine_hash(spec)
+        args = container(b.build_job(spec, h, OWNER))["args"]
+        a = build.add_build_args(argparse.ArgumentParser()).parse_args(args)
+        from kiln.runtime.enginespec import BuildSpec
+        got = BuildSpec.from_cli(a.model, quantization=a.quantization, group_size=a.group_size,
+                                 smoothquant_alpha=a.smoothquant_alpha, kv_cache_dtype=a.kv_cache_dtype,
+                                 calibration_samples=a.calibration_samples, max_seq_len=a.max_seq_len,
+                                 max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
+                                 checksum=a.source_checksum)
+        assert got.hash() == h and a.output == f"/engines/{h}"

@@ -119,7 +119,7 @@ def test_build_args_round_trip_to_the_same_hash():
         bs = es.BuildSpec.from_dict({"model": SMOL, "build": build})
         argv = bs.to_build_args("/engines/" + bs.hash())
         p = argparse.ArgumentParser()
-        for flag in ("--model", "--output", "--quantization", "--group-size", "--smoothquant-alpha", "--kv-cache-dtype",
+        for flag in ("--model", "--output", "--quantization", "--group-size", "--smoothquant-alpha", "--kv-cache-dtype", "--source-checksum",
                      "--calibration-samples", "--max-seq-len", "--max-batch-size", "--max-num-tokens"):
             p.add_argument(flag)
         a = p.parse_args(argv)

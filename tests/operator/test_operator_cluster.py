@@ -400,3 +400,64 @@ def test_restart_mid_build_resumes_without_duplicate_jobs_and_standby_waits(plan
         plane.kubectl("label", "node", "kwok-gpu-1", "kiln.dev/test-pool-", check=False)
         standby.stop()
         operator.start()
+
+
+def test_delete_removes_children_and_keeps_the_engine(plane, admin, ns):
+    apply(plane, ns, load("smollm2.yaml"))
+    ie = wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+    h = ie["status"]["engineHash"]
+    plane.kubectl("delete", "-n", ns, "ie/smollm2", "--wait=true", timeout=60)
+    wait_for("children garbage-collected", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2") is None
+             and not admin.list("batch/v1", "Job", ns) and admin.get("v1", "Service", ns, "smollm2") is None, 60)
+    assert admin.get("v1", "PersistentVolumeClaim", ns, "kiln-engine-cache") is not None
+    assert admin.get("v1", "ConfigMap", ns, b.record_name("kiln-engine-cache", h)) is not None
+    # re-created: served from the cached engine, no build
+    apply(plane, ns, load("smollm2.yaml"))
+    ie = wait_for("Ready from cache", lambda: ready(admin, ns, "smollm2"), 90)
+    assert condition(ie, "EngineBuilt")["reason"] == "EngineCached"
+    assert not admin.list("batch/v1", "Job", ns)
+
+
+def test_namespace_scoped_install_has_enough_rbac(plane, admin, ns, tmp_path):
+    """A second release in namespace mode (Roles only, no CRD): its ServiceAccount's token
+    runs an operator watching one namespace, which must reconcile with only those Roles."""
+    rel_ns = f"{ns}-op"[:63]
+    r = subprocess.run([plane.helm_bin, "upgrade", "--install", "kiln-ns", str(ROOT / "helm/kiln"),
+                        "--namespace", rel_ns, "--create-namespace", "--kubeconfig", plane.kubeconfig,
+                        "--set", "crds.install=false", "--set", "rbac.scope=namespace",
+                        "--set", f"watchNamespaces={{{ns}}}", "--set", "replicaCount=0"],
+                       capture_output=True, text=True, env=plane.env(), timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        assert not admin.request("GET", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+                                 query={"labelSelector": "app.kubernetes.io/instance=kiln-ns"})["items"]
+        token = plane.kubectl("create", "token", "kiln-ns", "-n", rel_ns, "--duration=1h").strip()
+        kc = tmp_path / "kubeconfig"
+        kc.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+            "clusters": [{"name": "p", "cluster": {"server": plane.server, "certificate-authority": str(plane.pki / "ca.crt")}}],
+            "users": [{"name": "sa", "user": {"token": token}}],
+            "contexts": [{"name": "sa", "context": {"cluster": "p", "user": "sa"}}]}))
+        # (the module's cluster-wide operator acts too; any 403 of this one stays in .failures)
+        op = start_in_thread(OperatorOptions(kubeconfig=str(kc), namespaces=[ns], lease_namespace=rel_ns,
+                                             lease_name="kiln-ns", identity="pytest-ns", resync_seconds=5,
+                                             metrics_fetcher=FakeMetrics()), wait_ready=60)
+        try:
+            assert op.ready_flag.is_set(), op.errors
+            apply(plane, ns, load("smollm2.yaml"))
+            wait_for("Ready", lambda: ready(admin, ns, "smollm2"), 90)
+            assert not op.errors and op.controller.num_reconciles > 0
+            assert not op.controller.failures, op.controller.failures
+            # and a missing rule is noticed: drop configmaps from the Role, reconcile again
+            role = json.loads(plane.kubectl("get", "role", "kiln-ns", "-n", ns, "-o", "json"))
+            for rule in role["rules"]:
+                rule["resources"] = [x for x in rule["resources"] if x != "configmaps"]
+            plane.kubectl("replace", "-f", "-", input=json.dumps(role))
+            apply(plane, ns, load("smollm2.yaml", replicas=2))
+            wait_for("a 403 on configmaps", lambda: op.controller.failures.get(f"{ns}/smollm2"), 30)
+        finally:
+            op.stop()
+    finally:
+        subprocess.run([plane.helm_bin, "uninstall", "kiln-ns", "--namespace", rel_ns, "--kubeconfig", plane.kubeconfig],
+                       capture_output=True, text=True, env=plane.env(), timeout=120)
+        plane.kubectl("delete", "namespace", rel_ns, "--wait=false", check=False)

@@ -28,13 +28,18 @@ _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)")
 MetricsFetcher = Callable[[Mapping[str, Any]], str]
 
 
-def http_fetcher(timeout: float = 2.0) -> MetricsFetcher:
-    """The default fetcher: ``GET http://<podIP>:8000/metrics``."""
+def http_fetcher(timeout: float = 2.0, loopback_only: bool = False) -> MetricsFetcher:
+    """The default fetcher: ``GET http://<podIP>:8000/metrics``.  ``loopback_only`` (an
+    operator running outside the cluster, where pod IPs are not routable: only a local
+    process-backed node's 127.x pods are scraped) refuses every other address."""
+    import ipaddress
 
     def fetch(pod: Mapping[str, Any]) -> str:
         ip = (pod.get("status") or {}).get("podIP")
         if not ip:
             raise LookupError("pod has no IP")
+        if loopback_only and not ipaddress.ip_address(ip).is_loopback:
+            raise LookupError(f"pod IP {ip} is not reachable from outside the cluster")
         host = f"[{ip}]" if ":" in ip else ip
         with urllib.request.urlopen(f"http://{host}:{HTTP_PORT}{METRICS_PATH}", timeout=timeout) as r:
             return r.read().decode("utf-8", errors="replace")
@@ -130,7 +135,7 @@ class BuiltinAutoscaler:
     seconds (monotonic)."""
 
     def __init__(self, fetcher: MetricsFetcher | None = None, clock: Callable[[], float] = time.monotonic):
-        self.fetcher = fetcher or http_fetcher()
+        self.fetcher = fetcher or http_fetcher(loopback_only=True)
         self.clock = clock
         self.engines: dict[str, EngineScaling] = {}
 

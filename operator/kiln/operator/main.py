@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import constants as c
-from .autoscaler import BuiltinAutoscaler, MetricsFetcher
+from .autoscaler import BuiltinAutoscaler, MetricsFetcher, http_fetcher
 from .controller import Controller, ControllerConfig
 from .kube import Kube, KubeConfig, connection_info
 from .leader import LeaderElector, LeaseConfig
@@ -195,7 +195,13 @@ def make_controller(opts: OperatorOptions, kube: Kube) -> Controller:
         kube, ReconcilerConfig(default_image=opts.default_image),
         ControllerConfig(workers=opts.workers, resync_seconds=opts.resync_seconds,
                          autoscale_seconds=opts.autoscale_seconds),
-        BuiltinAutoscaler(fetcher=opts.metrics_fetcher))
+        BuiltinAutoscaler(fetcher=opts.metrics_fetcher or http_fetcher(loopback_only=not _in_cluster(opts))))
+
+
+def _in_cluster(opts: OperatorOptions) -> bool:
+    """Running in a pod with in-cluster credentials (pod IPs are routable)."""
+    return opts.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST")) \
+        and os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
 def _elector(opts: OperatorOptions, kube: Kube) -> LeaderElector:

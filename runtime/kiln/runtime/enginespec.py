@@ -408,6 +408,8 @@ class BuildSpec:
             args += ["--calibration-samples", str(self.calibration_samples)]
         args += ["--max-seq-len", str(self.max_seq_len), "--max-batch-size", str(self.max_batch_size),
                  "--max-num-tokens", str(self.max_num_tokens)]
+        if self.source.checksum:
+            args += ["--source-checksum", self.source.checksum]
         return args
 
 

@@ -1,0 +1,81 @@
+"""Fixtures of the end-to-end tests: the whole stack (tests/cluster/e2e_stack.py) on a private
+plane with one process-backed node, the chart installed and the operator running locally as
+the chart's ServiceAccount.  Pods really run `kiln build` and `kiln serve`.
+
+Binaries of the plane missing: skip (unless CI=true or KILN_PLANE_BUILD=1: build them).
+KILN_E2E_PLANE=<name> uses (and keeps) a named plane instead of a private one.
+Measured numbers are appended to ``<plane>/e2e-measurements.jsonl`` and printed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+from plane import bin_dir, reap_stale  # noqa: E402
+
+MEASUREMENTS: list[dict] = []
+
+
+@pytest.fixture(scope="session")
+def stack():
+    from e2e_stack import Stack
+
+    build = os.environ.get("KILN_PLANE_BUILD") == "1" or os.environ.get("CI") == "true"
+    try:
+        bin_dir(build=build)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    named = os.environ.get("KILN_E2E_PLANE")
+    reap_stale("e2e-")
+    s = Stack(named or f"e2e-{os.getpid()}", log=lambda m: print(f"[e2e {time.strftime('%H:%M:%S')}] {m}", flush=True))
+    s.up()
+    yield s
+    s.down(keep_plane=bool(named), remove=not named)
+
+
+@pytest.fixture
+def ns(stack, request):
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base or 't'}-{uuid.uuid4().hex[:6]}"
+    stack.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 30
+    while not stack.kubectl("get", "serviceaccount", "default", "-n", name, "--ignore-not-found"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no default ServiceAccount in {name}")
+        time.sleep(0.2)
+    yield name
+    stack.plane.custom_metrics.clear(name)
+    stack.kubectl("delete", "inferenceengines", "--all", "-n", name, "--wait=false", check=False)
+    stack.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+    # The node kills the namespace's processes as the pods go; wait so the next test has the CPU.
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and stack.pods(name):
+        time.sleep(1)
+
+
+@pytest.fixture
+def measure(stack):
+    def record(what: str, value, unit: str = "s", **extra):
+        row = {"what": what, "value": round(value, 2) if isinstance(value, float) else value, "unit": unit, **extra}
+        MEASUREMENTS.append(row)
+        with open(Path(stack.plane.dir) / "e2e-measurements.jsonl", "a") as f:
+            f.write(json.dumps({"t": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row}) + "\n")
+        print(f"[e2e] MEASURED {what}: {row['value']} {unit} {extra or ''}", flush=True)
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MEASUREMENTS:
+        terminalreporter.section("kiln e2e measurements")
+        for m in MEASUREMENTS:
+            extra = {k: v for k, v in m.items() if k not in ("what", "value", "unit")}
+            terminalreporter.write_line(f"{m['what']}: {m['value']} {m['unit']} {extra or ''}")
