@@ -100,7 +100,7 @@ class Load:
     def stop(self) -> "Load":
         self._stop.set()
         for t in self._threads:
-            t.join(timeout=300)
+            t.join(timeout=60)
         return self
 
 

@@ -38,13 +38,25 @@ def http_fetcher(timeout: float = 2.0, loopback_only: bool = False) -> MetricsFe
         ip = (pod.get("status") or {}).get("podIP")
         if not ip:
             raise LookupError("pod has no IP")
-        if loopback_only and not ipaddress.ip_address(ip).is_loopback:
+        if loopback_only and not (ipaddress.ip_address(ip).is_loopback or _is_local_address(ip)):
             raise LookupError(f"pod IP {ip} is not reachable from outside the cluster")
         host = f"[{ip}]" if ":" in ip else ip
         with urllib.request.urlopen(f"http://{host}:{HTTP_PORT}{METRICS_PATH}", timeout=timeout) as r:
             return r.read().decode("utf-8", errors="replace")
 
     return fetch
+
+
+def _is_local_address(ip: str) -> bool:
+    """True for an address of this machine (e.g. a process-backed test node's pod IP, added
+    to ``lo``): binding to it succeeds only then."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ calibration tokens):
     err = (w_k - q_k) / [H^-1]_kk ;   W[:, k+1:] -= err * [H^-1]_{k, k+1:}
 
 using the upper Cholesky factor of ``H^-1`` (the paper's numerically stable form), lazy
-block updates of 128 columns, and a dampening of 1% of ``mean(diag H)``.  Group parameters
-(scale, zero point) are taken when the sweep reaches each group's first column, from the
-error-updated weights, so the stored format is exactly AWQ's (``quantization.int4``).
-Columns are processed in their natural order (no act-order), so groups stay contiguous.
+block updates of 128 columns, and a dampening of 1% of ``mean(diag H)``.  Options of the
+reference implementation used here: act-order (columns by descending ``diag H``) with static
+groups (scale and zero point fixed per group before the sweep, chosen by a range-shrinking
+MSE search), so the stored format is exactly AWQ's (``quantization.int4``), groups contiguous.
 """
 
 from __future__ import annotations
@@ -24,18 +24,55 @@ from .base import QuantHandler, check_group_size, register
 from .int4 import Int4LinearMethod, store_int4
 
 DAMP = 0.01  # fraction of mean(diag H) added to the diagonal
-BLOCK = 128  # columns per lazy-update block (a multiple of every allowed group size)
+BLOCK = 128  # columns per lazy-update block
+MSE_GRID, MSE_MAX_SHRINK, MSE_NORM = 100, 0.8, 2.4  # GPTQ reference quantizer's mse search
 
 
-def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float = DAMP
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mse_group_params(w: torch.Tensor, group_size: int, grid: int = MSE_GRID, max_shrink: float = MSE_MAX_SHRINK,
+                     norm: float = MSE_NORM) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group asymmetric 4-bit parameters that minimize ``sum |w - Q(w)|^norm`` over shrunk
+    ranges ``[min * p, max * p]``, ``p = 1 - i / grid`` (GPTQ's quantizer with ``mse=True``).
+
+    Args:
+        w: float [N, K].
+    Returns:
+        scales, zeros: float32 [N, K // G].
+    """
+    N, K = w.shape
+    g = w.float().reshape(N, K // group_size, group_size)
+    wmax = g.amax(dim=2).clamp(min=0)
+    wmin = g.amin(dim=2).clamp(max=0)
+    best_err = torch.full(wmax.shape, float("inf"), device=w.device)
+    best_s = torch.zeros_like(wmax)
+    best_z = torch.zeros_like(wmax)
+    for i in range(int(max_shrink * grid)):
+        p = 1 - i / grid
+        s = ((wmax - wmin) * p / 15).clamp(min=1e-8)
+        z = torch.round(-wmin * p / s).clamp(0, 15)
+        q = torch.clamp(torch.round(g / s[..., None]) + z[..., None], 0, 15)
+        err = ((q - z[..., None]) * s[..., None] - g).abs().pow(norm).sum(dim=2)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+        best_z = torch.where(better, z, best_z)
+    return best_s, best_z
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float = DAMP,
+                  act_order: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``w`` [N, K] to int4 with GPTQ.
+
+    Group parameters are fixed up front from the weights (``mse_group_params``: "static
+    groups"), so columns can be visited in descending ``diag(H)`` order ("act-order": the
+    columns with the largest input energy are rounded first, while the most columns remain to
+    absorb their error) and the stored groups are still contiguous in the original order.
 
     Args:
         w: float [N, K].
         hessian: float [K, K], ``2/n * X^T X`` of the layer's calibration inputs.
         group_size: columns per group (divides K).
         damp: relative dampening.
+        act_order: visit columns by descending ``diag(H)``.
     Returns:
         (codes int32 [N, K], scales float32 [N, K // G], zeros float32 [N, K // G]).
     Raises:
@@ -47,6 +84,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp:
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
+    scales, zeros = mse_group_params(W, group_size)
+    col_s = scales.repeat_interleave(group_size, dim=1)  # [N, K]
+    col_z = zeros.repeat_interleave(group_size, dim=1)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K, device=W.device)
+    W, H = W[:, perm], H[perm][:, perm]
+    col_s, col_z = col_s[:, perm], col_z[:, perm]
     hinv = None
     mean_diag = torch.mean(torch.diag(H))
     for attempt in range(5):
@@ -58,30 +101,21 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, damp:
     if hinv is None:
         raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even after dampening")
     Q = torch.zeros(N, K, dtype=torch.int32, device=W.device)
-    ng = K // group_size
-    scales = torch.zeros(N, ng, device=W.device)
-    zeros = torch.zeros(N, ng, device=W.device)
-    block = max(BLOCK // group_size, 1) * group_size
-    for i1 in range(0, K, block):
-        i2 = min(i1 + block, K)
+    for i1 in range(0, K, BLOCK):
+        i2 = min(i1 + BLOCK, K)
         W1 = W[:, i1:i2].clone()
         E1 = torch.zeros_like(W1)
         Hb = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = i1 + i
-            if col % group_size == 0:
-                s, z = int4.quantize_params(W1[:, i:i + group_size], group_size)
-                scales[:, col // group_size] = s[:, 0]
-                zeros[:, col // group_size] = z[:, 0]
-            g = col // group_size
-            s, z = scales[:, g], zeros[:, g]
+            s, z = col_s[:, i1 + i], col_z[:, i1 + i]
             q = torch.clamp(torch.round(W1[:, i] / s) + z, 0, 15)
-            Q[:, col] = q.to(torch.int32)
+            Q[:, i1 + i] = q.to(torch.int32)
             err = (W1[:, i] - (q - z) * s) / Hb[i, i]
             W1[:, i:] -= err.unsqueeze(1) * Hb[i, i:].unsqueeze(0)
             E1[:, i] = err
         W[:, i2:] -= E1 @ hinv[i1:i2, i2:]
-    return Q, scales, zeros
+    inv = torch.argsort(perm)
+    return Q[:, inv].contiguous(), scales, zeros
 
 
 class GptqHandler(QuantHandler):
