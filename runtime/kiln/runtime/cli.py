@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
 
-    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
     op.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the operator")
     op.set_defaults(func=lambda ns: _run_operator(ns.args))
 
