@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     op.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the operator")
     op.set_defaults(func=lambda ns: _run_operator(ns.args))
 
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if "operator" in raw:  # everything after `operator` belongs to the operator's own parser
+        i = raw.index("operator")
+        if all(a.startswith("--log-level") or raw[j - 1] == "--log-level" for j, a in enumerate(raw[:i])):
+            return _run_operator(raw[i + 1 :])
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
