@@ -132,6 +132,9 @@ class LLMEngine:
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        # True: step() returns an output for every request that progressed (streaming);
+        # False: only for requests that finished (LLM.generate sets this).
+        self.stream_outputs = True
         log.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                  time.perf_counter() - t0, self.model_ref, self.runner.device, self.runner.dtype,
                  num_blocks, args.block_size, self.max_model_len)
@@ -286,7 +289,9 @@ class LLMEngine:
             touched[parent.request_id] = parent
         if self.stat_logger:
             self.stat_logger.on_step(num_prompt, num_gen)
-        outputs = [self._make_output(p) for p in touched.values()]
+        # Streaming consumers (the server) want every step's deltas; the offline API only
+        # the finished requests, which saves building per-step outputs for every sequence.
+        outputs = [self._make_output(p) for p in touched.values() if self.stream_outputs or p.finished]
         for p in touched.values():
             if p.finished:
                 self._retire(p, now)

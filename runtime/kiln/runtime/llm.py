@@ -25,6 +25,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, engine: str | None = None, **kwargs: Any):
         self.engine = LLMEngine(EngineArgs(model=model, engine=engine, **kwargs))
+        self.engine.stream_outputs = False
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -1,0 +1,135 @@
+"""The process-backed node itself (tests/cluster/procnode.py), with plain Python commands
+instead of the model: exit codes become Job outcomes, PVC mounts map onto host folders,
+readiness probes gate EndpointSlices, liveness failures restart, deletion kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+from procnode import map_value, pod_log_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def test_map_value():
+    m = [("/engines/sub", "/h/s"), ("/engines", "/h/e"), ("/tmp", "/h/t")]
+    assert map_value("/engines/abc", m, "10.0.0.2") == "/h/e/abc"
+    assert map_value("/engines/sub/x", m, "10.0.0.2") == "/h/s/x"
+    assert map_value("--output=/tmp/x", m, "10.0.0.2") == "--output=/h/t/x"
+    assert map_value("/tmpfoo", m, "10.0.0.2") == "/tmpfoo"
+    assert map_value("0.0.0.0", m, "10.0.0.2") == "10.0.0.2"
+    assert map_value("0.0.0.0:8000", m, "10.0.0.2") == "10.0.0.2:8000"
+
+
+def wait_for(what, fn, timeout=60.0, interval=0.3):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def job(name: str, code: str, volumes=None, mounts=None, args=None) -> dict:
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+            "spec": {"backoffLimit": 0, "template": {"spec": {
+                "restartPolicy": "Never", "volumes": volumes or [],
+                "containers": [{"name": "main", "image": "python", "command": ["python3", "-c", code],
+                                "args": args or [], "volumeMounts": mounts or []}]}}}}
+
+
+def job_condition(stack, ns, name):
+    j = json.loads(stack.kubectl("get", "job", name, "-n", ns, "-o", "json"))
+    return next((c["type"] for c in (j.get("status") or {}).get("conditions") or []
+                 if c["status"] == "True" and c["type"] in ("Complete", "Failed")), None)
+
+
+@pytest.mark.e2e
+@pytest.mark.cluster
+def test_jobs_pvc_and_exit_codes(stack, ns):
+    stack.apply_obj({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+                     "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}, ns)
+    vol = [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+    mnt = [{"name": "data", "mountPath": "/data"}]
+    # Paths are mapped where they appear as arguments or env values (not inside code strings).
+    stack.apply_obj(job("write", "import os, sys; open(sys.argv[1], 'w').write(os.environ['HOSTNAME'])",
+                        vol, mnt, args=["/data/hello"]), ns)
+    stack.apply_obj(job("fail", "import sys; print('bye'); sys.exit(3)"), ns)
+    assert wait_for("write completes", lambda: job_condition(stack, ns, "write")) == "Complete"
+    assert wait_for("fail fails", lambda: job_condition(stack, ns, "fail")) == "Failed"
+    pods = {p["metadata"]["labels"]["job-name"]: p for p in stack.pods(ns)}
+    term = pods["fail"]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert pods["fail"]["status"]["phase"] == "Failed" and term["exitCode"] == 3
+    assert pods["write"]["status"]["phase"] == "Succeeded"
+    written = list((stack.state_dir.parent / "volumes").glob(f"{ns}_data_*/hello"))
+    assert written and written[0].read_text() == pods["write"]["metadata"]["name"]
+    log = pod_log_path(stack.state_dir, ns, pods["fail"]["metadata"]["name"], "main")
+    assert log is not None and "bye" in log.read_text()
+
+
+SERVER = """
+import http.server, os, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = not os.path.exists(os.environ['SCRATCH'] + '/unready') or self.path != '/ready'
+        self.send_response(200 if ok else 503); self.end_headers(); self.wfile.write(b'hi')
+    def log_message(self, *a): pass
+print('pid', os.getpid(), flush=True)
+http.server.ThreadingHTTPServer((sys.argv[1], 8080), H).serve_forever()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.cluster
+def test_probes_endpoints_and_kill_on_delete(stack, ns):
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+           "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+                    "template": {"metadata": {"labels": {"app": "web"}}, "spec": {
+                        "terminationGracePeriodSeconds": 5,
+                        "volumes": [{"name": "scratch", "emptyDir": {}}],
+                        "containers": [{"name": "web", "image": "python", "command": ["python3", "-c", SERVER],
+                                        "args": ["0.0.0.0"], "env": [{"name": "SCRATCH", "value": "/scratch"}], "ports": [{"name": "http", "containerPort": 8080}],
+                                        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                                        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"},
+                                                           "periodSeconds": 1, "failureThreshold": 1}}]}}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+           "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+    stack.apply_obj(dep, ns)
+    stack.apply_obj(svc, ns)
+    proxy = stack.proxy("web", ns)
+    eps = proxy.wait_endpoints(2, timeout=60)
+    ips = {p["status"]["podIP"] for p in stack.pods(ns)}
+    assert {ip for ip, _ in eps} == ips and len(ips) == 2
+    import httpx
+    assert httpx.get(proxy.url + "/", timeout=5).text == "hi"
+
+    # A failing readiness probe takes the pod out of the Service, a passing one brings it back.
+    pod = stack.pods(ns)[0]
+    scratch = stack.state_dir / "pods" / f"{ns}_{pod['metadata']['name']}_{pod['metadata']['uid'][:8]}" / "volumes" / "scratch"
+    (scratch / "unready").write_text("")
+    wait_for("endpoint removed", lambda: len(proxy.refresh()) == 1, timeout=30)
+    (scratch / "unready").unlink()
+    wait_for("endpoint back", lambda: len(proxy.refresh()) == 2, timeout=30)
+
+    # Deleting the pods kills their processes.
+    pids = [int(c["containerID"].split("://")[1]) for p in stack.pods(ns) for c in p["status"]["containerStatuses"]]
+    stack.kubectl("delete", "deployment", "web", "-n", ns, "--wait=true")
+    wait_for("pods gone", lambda: not stack.pods(ns), timeout=60)
+
+    def dead(pid):
+        try:
+            os.kill(pid, 0)
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        except ProcessLookupError:
+            return True
+    wait_for("processes gone", lambda: all(dead(p) for p in pids), timeout=15)
