@@ -274,3 +274,26 @@ def test_eval_cli(tiny_engines, capsys, tmp_path):
     r = json.loads(capsys.readouterr().out)
     assert r["num_tokens"] > 50 and r["perplexity"] > 1
     assert main(["perplexity", "--engine", str(tmp_path / "none"), "--text", str(text)]) == 2
+
+
+def test_eval_agreement(tiny_engines, tmp_path):
+    from kiln.runtime.eval import agreement
+
+    text = tmp_path / "t.txt"
+    text.write_text("Agreement between two engines, measured on a short English text. " * 12)
+    same = agreement(str(tiny_engines["none"]), str(tiny_engines["none"]), str(text), num_prompts=2, new_tokens=4)
+    assert same["teacher_forced_top1"] == 1.0 and same["greedy_token_agreement"] == 1.0
+    assert same["greedy_identical"] == same["num_prompts"] == 2
+    r = agreement(str(tiny_engines["none"]), str(tiny_engines["int4-gptq"]), str(text), num_prompts=2, new_tokens=4)
+    assert 0.0 <= r["teacher_forced_top1"] <= 1.0 and 0.0 <= r["greedy_token_agreement"] <= 1.0
+
+
+def test_kiln_cli_wiring(tiny_model, tmp_path, capsys):
+    from kiln.runtime.cli import main
+
+    out = tmp_path / "eng"
+    assert main(["build", "--model", str(tiny_model), "--output", str(out), "--quantization", "fp8",
+                 "--device", "cpu"]) == 0
+    assert str(out) in capsys.readouterr().out
+    assert main(["eval", "perplexity", "--engine", str(out), "--text", str(tiny_model / "config.json")]) == 0
+    assert "perplexity" in capsys.readouterr().out

@@ -110,8 +110,14 @@ Tear down (stops the plane, the node's processes and the operator; built engines
 
 
 def on_real_cluster(a: argparse.Namespace) -> int:
-    kubectl = shutil.which("kubectl") or "kubectl"
-    helm = shutil.which("helm") or "helm"
+    cached = None
+    try:
+        from plane import bin_dir
+        cached = bin_dir(build=False)  # the test plane's kubectl and helm, when built
+    except (FileNotFoundError, OSError):
+        pass
+    kubectl = shutil.which("kubectl") or (str(cached / "kubectl") if cached else "kubectl")
+    helm = shutil.which("helm") or (str(cached / "helm") if cached else "helm")
     name = example_name(a.example)
     say(f"KUBECONFIG={os.environ['KUBECONFIG']}: using that cluster")
     subprocess.run([helm, "upgrade", "--install", "kiln", str(REPO / "helm/kiln"), "-n", "kiln-system",
@@ -149,7 +155,7 @@ def on_real_cluster(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description="the Kiln demo on Kubernetes (the test plane, or $KUBECONFIG's cluster)")
     p.add_argument("--example", type=Path, default=REPO / "examples" / "smollm2.yaml")
     p.add_argument("--namespace", default="default")
     p.add_argument("--plane", default=os.environ.get("KILN_DEMO_PLANE", "demo"))

@@ -151,8 +151,8 @@ class Stack:
             return
         logf = Path(self.plane.dir) / "operator.log"
         kc = self.sa_kubeconfig()
-        # `kiln operator --flag` is refused by the CLI today (argparse REMAINDER): run the module.
-        args = [sys.executable, "-m", "kiln.operator.main", "--kubeconfig", kc, "--all-namespaces",
+        # The chart's command: `kiln operator ...` (the runtime image's entry point).
+        args = [KILN, "operator", "--kubeconfig", kc, "--all-namespaces",
                 "--lease-namespace", RELEASE_NS, "--lease-name", RELEASE, "--identity", "local-operator",
                 "--resync-seconds", "10", "--autoscale-seconds", "3", *self.operator_args]
         self.operator = self._spawn("operator", args, logf)

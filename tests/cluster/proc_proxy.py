@@ -3,7 +3,8 @@ connection to one of the Service's ready endpoints (from its EndpointSlices), ro
 
 Test infrastructure (the plane has no kube-proxy and the pods' loopback IPs are not behind a
 ClusterIP).  Like kube-proxy it routes only to endpoints whose ``conditions.ready`` is true,
-as the EndpointSlice controller last wrote them (polled every ``poll_seconds``).  Unlike
+as the EndpointSlice controller last wrote them (polled every ``poll_seconds``; with no
+endpoints there, e.g. loopback pod IPs that the controller refuses, the Service's Ready pods).  Unlike
 iptables it retries the TCP connect on another ready endpoint when one refuses (nothing has
 been sent yet, so that is always safe), which is what a load balancer with health checks does.
 """
@@ -26,6 +27,7 @@ class ServiceProxy:
                  listen_host: str = "127.0.0.1", listen_port: int = 0, poll_seconds: float = 0.2):
         from kubernetes import client
         self.discovery = client.DiscoveryV1Api(api.api_client)
+        self.core = api
         self.namespace, self.service, self.port_name = namespace, service, port_name
         self.poll_seconds = poll_seconds
         self.endpoints: list[tuple[str, int]] = []
@@ -55,8 +57,33 @@ class ServiceProxy:
                 if cond is not None and cond.terminating:
                     continue
                 eps += [(addr, ports[0].port) for addr in ep.addresses]
+        if not eps:
+            eps = self._ready_pods()
         self.endpoints = sorted(eps)
         return self.endpoints
+
+    def _ready_pods(self) -> list[tuple[str, int]]:
+        """Fallback when the EndpointSlice controller wrote no endpoints (it refuses loopback pod
+        IPs, which a process node without CAP_NET_ADMIN hands out): the Service's Ready pods."""
+        svc = self.core.read_namespaced_service(self.service, self.namespace)
+        if not svc.spec.selector:
+            return []
+        sel = ",".join(f"{k}={v}" for k, v in svc.spec.selector.items())
+        port = next((p for p in svc.spec.ports or [] if self.port_name is None or p.name == self.port_name), None)
+        if port is None:
+            return []
+        out = []
+        for pod in self.core.list_namespaced_pod(self.namespace, label_selector=sel).items:
+            ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+            if not ready or pod.metadata.deletion_timestamp or not pod.status.pod_ip:
+                continue
+            target = port.target_port if port.target_port is not None else port.port
+            if isinstance(target, str) and not target.isdigit():
+                target = next((cp.container_port for c in pod.spec.containers for cp in c.ports or []
+                               if cp.name == target), None)
+            if target is not None:
+                out.append((pod.status.pod_ip, int(target)))
+        return out
 
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_seconds):

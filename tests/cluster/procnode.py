@@ -19,14 +19,16 @@ Test infrastructure, not product code.  The agent
 - gives each pod its own IP, set as ``status.podIP``: 10.244.250.x added to the loopback
   interface as a /32 (``ip addr add``, removed when the pod ends; EndpointSlices refuse
   127.0.0.0/8, so a plain loopback IP would leave Services without endpoints; without
-  CAP_NET_ADMIN it falls back to 127.0.250.x).  All pods share the host's network namespace, so a wildcard listen address (``0.0.0.0``) in args or env is
+  CAP_NET_ADMIN it falls back to 127.0.250.x and proc_proxy.py then routes to Ready pods
+  directly).  All pods share the host's network namespace, so a wildcard listen address (``0.0.0.0``) in args or env is
   rewritten to the pod IP: two replicas can both listen on :8000;
 - evaluates startup, readiness and liveness probes for real (httpGet, tcpSocket, exec) with
   the pod's periods and thresholds; liveness or startup failure restarts the container;
 - turns exit codes into container states and the pod phase (``restartPolicy: Never`` ->
   Succeeded/Failed, so Jobs complete; ``Always`` -> restart with back-off, CrashLoopBackOff);
-- writes logs to ``<state>/pods/<ns>_<pod>_<uid8>/<container>.log`` (``procnode.py logs``
-  prints them; ``kubectl logs`` is not supported);
+- writes logs to ``<state>/pods/<ns>_<pod>_<uid8>/<container>.log``, served to ``kubectl logs``
+  (``--follow``, ``--tail``) by a kubelet-like HTTPS endpoint (self-signed, on 127.0.0.1, the
+  node's ``daemonEndpoints.kubeletEndpoint.Port``); ``procnode.py logs NS POD`` prints the file;
 - on deletion sends SIGTERM to the process group, SIGKILL after the grace period (capped by
   ``max_grace_seconds``), then removes the pod object (grace 0), as the kubelet does.
 
@@ -34,508 +36,29 @@ Endpoints/EndpointSlices work because podIP and the Ready condition are real.  T
 cache (``$KILN_CACHE_DIR`` or ``~/.cache/kiln``) is handed to pods as ``KILN_CACHE_DIR``, the way
 a node's pre-pulled image layer would be (``share_model_cache=False`` turns that off).
 
-``<state>`` is ``<plane dir>/procnode/<node>`` by default.
+``<state>`` is ``<plane dir>/procnode/<node>`` by default.  One pod's life (volumes, processes,
+probes, status, deletion) is ``proc_pod.PodRunner``; this module is the node around it.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import datetime as dt
-import json
 import logging
 import os
-import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-VENV_BIN = REPO / ".venv" / "bin"
+sys.path.insert(0, str(HERE))
+from proc_pod import PodRunner, _api, map_value, now_iso, now_micro  # noqa: E402,F401  (map_value: re-exported)
 NODE_KIND_LABEL = "kiln.dev/node-kind"
 NODE_KIND = "process"
 
 log = logging.getLogger("procnode")
-
-
-def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def now_micro() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _api(kubeconfig: str):
-    from kubernetes import client, config
-    return client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
-
-
-def _map_path(v: str, mounts: list[tuple[str, str]]) -> str | None:
-    for cpath, hpath in mounts:  # longest mountPath first
-        c = cpath.rstrip("/") or "/"
-        if v == c or v.startswith(c + "/"):
-            return hpath + v[len(c):]
-    return None
-
-
-def map_value(s: str, mounts: list[tuple[str, str]], pod_ip: str) -> str:
-    """Rewrites a container path (equal to or under a mountPath, also after ``key=``) to the
-    host folder, and the wildcard address to the pod IP."""
-    if s == "0.0.0.0":
-        return pod_ip
-    s = s.replace("0.0.0.0:", f"{pod_ip}:")
-    mapped = _map_path(s, mounts)
-    if mapped is not None:
-        return mapped
-    key, sep, val = s.partition("=")
-    if sep and (mapped := _map_path(val, mounts)) is not None:
-        return key + sep + mapped
-    return s
-
-
-# --- probes ------------------------------------------------------------------------------------
-
-@dataclass
-class ProbeState:
-    spec: dict
-    successes: int = 0
-    failures: int = 0
-    next_at: float = 0.0
-
-    def due(self, now: float) -> bool:
-        return now >= self.next_at
-
-    def record(self, ok: bool, now: float) -> None:
-        self.next_at = now + float(self.spec.get("periodSeconds", 10))
-        if ok:
-            self.successes, self.failures = self.successes + 1, 0
-        else:
-            self.successes, self.failures = 0, self.failures + 1
-
-
-def _port(spec_port: Any, container: dict) -> int:
-    if isinstance(spec_port, int) or str(spec_port).isdigit():
-        return int(spec_port)
-    for p in container.get("ports") or []:
-        if p.get("name") == spec_port:
-            return int(p["containerPort"])
-    raise ValueError(f"unknown port name {spec_port!r}")
-
-
-# --- one container -----------------------------------------------------------------------------
-
-@dataclass
-class ContainerRun:
-    spec: dict
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    started_at: str | None = None
-    restart_count: int = 0
-    started: bool = False  # startup probe passed (or none)
-    ready: bool = False
-    terminated: dict | None = None  # last termination {exitCode, reason, startedAt, finishedAt}
-    last_state: dict = field(default_factory=dict)
-    waiting_reason: str | None = "ContainerCreating"
-    waiting_message: str = ""
-    restart_at: float = 0.0
-    probes: dict[str, ProbeState] = field(default_factory=dict)
-    run_started: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return self.spec["name"]
-
-    def status(self) -> dict:
-        st: dict[str, Any] = {"name": self.name, "image": self.spec.get("image", ""),
-                              "imageID": "", "restartCount": self.restart_count,
-                              "ready": self.ready, "started": self.started}
-        if self.proc is not None and self.proc.poll() is None:
-            st["containerID"] = f"proc://{self.proc.pid}"
-            st["state"] = {"running": {"startedAt": self.started_at}}
-        elif self.terminated is not None and self.waiting_reason is None:
-            st["state"] = {"terminated": self.terminated}
-        else:
-            w = {"reason": self.waiting_reason or "ContainerCreating"}
-            if self.waiting_message:
-                w["message"] = self.waiting_message
-            st["state"] = {"waiting": w}
-        if self.last_state:
-            st["lastState"] = self.last_state
-        return st
-
-
-# --- one pod -----------------------------------------------------------------------------------
-
-class PodRunner(threading.Thread):
-    """Runs one pod until it is deleted (then finalizes the deletion)."""
-
-    TICK = 0.25
-
-    def __init__(self, node: "ProcNode", pod: dict, ip: str):
-        meta = pod["metadata"]
-        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
-        self.node, self.pod, self.ip = node, pod, ip
-        self.ns, self.pname, self.uid = meta["namespace"], meta["name"], meta["uid"]
-        self.dir = node.state_dir / "pods" / f"{self.ns}_{self.pname}_{self.uid[:8]}"
-        self.api = _api(node.kubeconfig)
-        self.lock = threading.Lock()
-        self.gone = False  # the pod object vanished (force delete)
-        self.finished = False  # thread done
-        self.mounts: list[tuple[str, str]] | None = None
-        self.containers: list[ContainerRun] = []
-        self.start_time = now_iso()
-        self.last_status: dict | None = None
-        self.cond_times: dict[str, tuple[str, str]] = {}
-
-    # -- inputs from the node loop --
-    def update(self, pod: dict | None) -> None:
-        with self.lock:
-            if pod is None:
-                self.gone = True
-            else:
-                self.pod = pod
-
-    # -- volumes --
-    def _volume_dir(self, vol: dict) -> str | None:
-        name = vol["name"]
-        vdir = self.dir / "volumes" / name
-        if "persistentVolumeClaim" in vol:
-            claim = vol["persistentVolumeClaim"]["claimName"]
-            pvc = self.api.read_namespaced_persistent_volume_claim(claim, self.ns)
-            if not pvc.spec.volume_name or pvc.status.phase != "Bound":
-                return None
-            pv = self.api.read_persistent_volume(pvc.spec.volume_name)
-            if pv.spec.host_path is None:
-                raise RuntimeError(f"PV {pv.metadata.name} is not a hostPath volume")
-            Path(pv.spec.host_path.path).mkdir(parents=True, exist_ok=True)
-            return pv.spec.host_path.path
-        if "hostPath" in vol:
-            return vol["hostPath"]["path"]
-        vdir.mkdir(parents=True, exist_ok=True)
-        if "configMap" in vol or "secret" in vol:
-            self._write_keys(vol, vdir)
-        elif "projected" in vol:
-            for src in vol["projected"].get("sources") or []:
-                try:
-                    self._write_projected(src, vdir)
-                except Exception as e:  # noqa: BLE001 - best effort (the SA token of a pod)
-                    log.debug("projected source %s of %s: %s", src, self.pname, e)
-        return str(vdir)
-
-    def _write_keys(self, vol: dict, vdir: Path) -> None:
-        if "configMap" in vol:
-            cm = self.api.read_namespaced_config_map(vol["configMap"]["name"], self.ns)
-            data = {k: v.encode() for k, v in (cm.data or {}).items()}
-        else:
-            sec = self.api.read_namespaced_secret(vol["secret"]["secretName"], self.ns)
-            data = {k: base64.b64decode(v) for k, v in (sec.data or {}).items()}
-        for k, v in data.items():
-            (vdir / k).write_bytes(v)
-
-    def _write_projected(self, src: dict, vdir: Path) -> None:
-        if "serviceAccountToken" in src:
-            sa = self.pod["spec"].get("serviceAccountName") or "default"
-            tr = self.api.create_namespaced_service_account_token(sa, self.ns, {
-                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "spec": {"expirationSeconds": int(src["serviceAccountToken"].get("expirationSeconds", 3600))}})
-            (vdir / src["serviceAccountToken"].get("path", "token")).write_text(tr.status.token)
-        elif "configMap" in src:
-            cm = self.api.read_namespaced_config_map(src["configMap"]["name"], self.ns)
-            for item in src["configMap"].get("items") or [{"key": k, "path": k} for k in cm.data or {}]:
-                (vdir / item["path"]).write_text((cm.data or {}).get(item["key"], ""))
-        elif "downwardAPI" in src:
-            for item in src["downwardAPI"].get("items") or []:
-                fp = (item.get("fieldRef") or {}).get("fieldPath", "")
-                (vdir / item["path"]).write_text(self._field(fp))
-
-    def _field(self, path: str) -> str:
-        meta = self.pod["metadata"]
-        return {"metadata.name": self.pname, "metadata.namespace": self.ns, "metadata.uid": self.uid,
-                "status.podIP": self.ip, "status.hostIP": "127.0.0.1", "spec.nodeName": self.node.name,
-                "spec.serviceAccountName": self.pod["spec"].get("serviceAccountName", "default"),
-                }.get(path) or (meta.get("labels") or {}).get(path[len("metadata.labels['"):-2], "")
-
-    def _prepare(self) -> bool:
-        """Maps the pod's volumes; False while a claim is not bound yet."""
-        by_name: dict[str, str] = {}
-        for vol in self.pod["spec"].get("volumes") or []:
-            d = self._volume_dir(vol)
-            if d is None:
-                return False
-            by_name[vol["name"]] = d
-        self._vols = by_name
-        return True
-
-    def _mounts(self, c: dict) -> list[tuple[str, str]]:
-        out = []
-        for m in c.get("volumeMounts") or []:
-            host = self._vols[m["name"]]
-            if m.get("subPath"):
-                host = str(Path(host) / m["subPath"])
-                Path(host).mkdir(parents=True, exist_ok=True)
-            out.append((m["mountPath"], host))
-        return sorted(out, key=lambda x: -len(x[0]))
-
-    # -- processes --
-    def _env(self, c: dict, mounts: list[tuple[str, str]]) -> dict[str, str]:
-        env = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "HOSTNAME": self.pname, "HOME": str(self.dir / "home"), "LANG": "C.UTF-8",
-               "PYTHONUNBUFFERED": "1", "KUBERNETES_SERVICE_HOST": "127.0.0.1",
-               "KUBERNETES_SERVICE_PORT": str(self.node.apiserver_port)}
-        if self.node.model_cache:
-            env["KILN_CACHE_DIR"] = self.node.model_cache
-        env.update(self.node.extra_env)
-        for e in c.get("env") or []:
-            if "value" in e:
-                env[e["name"]] = e["value"]
-            elif "valueFrom" in e:
-                vf = e["valueFrom"]
-                try:
-                    if "fieldRef" in vf:
-                        env[e["name"]] = self._field(vf["fieldRef"]["fieldPath"])
-                    elif "secretKeyRef" in vf:
-                        s = self.api.read_namespaced_secret(vf["secretKeyRef"]["name"], self.ns)
-                        env[e["name"]] = base64.b64decode((s.data or {})[vf["secretKeyRef"]["key"]]).decode()
-                    elif "configMapKeyRef" in vf:
-                        cm = self.api.read_namespaced_config_map(vf["configMapKeyRef"]["name"], self.ns)
-                        env[e["name"]] = (cm.data or {})[vf["configMapKeyRef"]["key"]]
-                except Exception:  # noqa: BLE001
-                    if not (vf.get("secretKeyRef") or vf.get("configMapKeyRef") or {}).get("optional"):
-                        raise
-        return {k: map_value(v, mounts, self.ip) for k, v in env.items()}
-
-    def _start(self, cr: ContainerRun) -> None:
-        c = cr.spec
-        mounts = self._mounts(c)
-        argv = [map_value(a, mounts, self.ip) for a in (c.get("command") or []) + (c.get("args") or [])]
-        env = self._env(c, mounts)
-        Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
-        if not argv:
-            raise RuntimeError("container has no command (image entrypoints are unknown here)")
-        exe = shutil.which(argv[0], path=env["PATH"]) if "/" not in argv[0] else argv[0]
-        if exe is None:
-            raise FileNotFoundError(f"{argv[0]}: not found on {env['PATH']}")
-        cwd = map_value(c["workingDir"], mounts, self.ip) if c.get("workingDir") else str(self.dir)
-        cr.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(cr.log_path, "ab") as out:
-            out.write(f"--- {now_iso()} procnode: {shlex.join([exe, *argv[1:]])}\n".encode())
-            out.flush()
-            cr.proc = subprocess.Popen([exe, *argv[1:]], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-        cr.started_at = now_iso()
-        cr.run_started = time.monotonic()
-        cr.waiting_reason = None
-        cr.terminated = None
-        cr.ready = False
-        cr.started = "startupProbe" not in c
-        cr.probes = {k: ProbeState(c[k], next_at=time.monotonic() + float(c[k].get("initialDelaySeconds", 0)))
-                     for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c}
-        log.info("%s/%s: started %s (pid %d, ip %s)", self.ns, self.pname, cr.name, cr.proc.pid, self.ip)
-
-    def _kill(self, cr: ContainerRun, grace: float) -> None:
-        p = cr.proc
-        if p is None or p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(timeout=max(grace, 0.1))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-    def _probe(self, spec: dict, c: dict) -> bool:
-        timeout = float(spec.get("timeoutSeconds", 1))
-        try:
-            if "httpGet" in spec:
-                g = spec["httpGet"]
-                host = g.get("host") or self.ip
-                url = f"{g.get('scheme', 'HTTP').lower()}://{host}:{_port(g['port'], c)}{g.get('path', '/')}"
-                req = urllib.request.Request(url, headers={h["name"]: h["value"] for h in g.get("httpHeaders") or []})
-                with urllib.request.urlopen(req, timeout=timeout) as r:
-                    return 200 <= r.status < 400
-            if "tcpSocket" in spec:
-                t = spec["tcpSocket"]
-                with socket.create_connection((t.get("host") or self.ip, _port(t["port"], c)), timeout=timeout):
-                    return True
-            if "exec" in spec:
-                mounts = self._mounts(c)
-                cmd = [map_value(a, mounts, self.ip) for a in spec["exec"]["command"]]
-                return subprocess.run(cmd, env=self._env(c, mounts), timeout=timeout,
-                                      capture_output=True).returncode == 0
-        except (urllib.error.URLError, OSError, subprocess.TimeoutExpired, ValueError):
-            return False
-        return True
-
-    def _tick_container(self, cr: ContainerRun, policy: str) -> None:
-        now = time.monotonic()
-        c = cr.spec
-        if cr.proc is not None and cr.proc.poll() is not None and cr.waiting_reason is None and cr.terminated is None:
-            rc = cr.proc.returncode
-            rc = 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N
-            cr.terminated = {"exitCode": rc, "reason": "Completed" if rc == 0 else "Error",
-                             "startedAt": cr.started_at, "finishedAt": now_iso(), "containerID": f"proc://{cr.proc.pid}"}
-            cr.ready = False
-            log.info("%s/%s: %s exited with %d", self.ns, self.pname, cr.name, rc)
-            if policy == "Always" or (policy == "OnFailure" and rc != 0):
-                cr.last_state = {"terminated": cr.terminated}
-                backoff = min(10 * 2 ** cr.restart_count, 300) if now - cr.run_started < 600 else 10
-                cr.restart_at = now + backoff
-                cr.waiting_reason = "CrashLoopBackOff"
-                cr.waiting_message = f"back-off {backoff}s restarting failed container"
-                cr.restart_count += 1
-        if cr.waiting_reason == "CrashLoopBackOff" and now >= cr.restart_at:
-            self._start(cr)
-            return
-        if cr.proc is None or cr.proc.poll() is not None:
-            return
-        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-            ps = cr.probes.get(kind)
-            if ps is None or not ps.due(now):
-                continue
-            if kind == "startupProbe" and cr.started:
-                continue
-            if kind != "startupProbe" and not cr.started:
-                continue
-            ok = self._probe(ps.spec, c)
-            ps.record(ok, time.monotonic())
-            thr_fail = int(ps.spec.get("failureThreshold", 3))
-            thr_ok = int(ps.spec.get("successThreshold", 1))
-            if kind == "startupProbe" and ok:
-                cr.started = True
-                for k in ("readinessProbe", "livenessProbe"):  # they start once the container has started
-                    if k in cr.probes:
-                        cr.probes[k].next_at = time.monotonic()
-            elif kind == "readinessProbe":
-                if ok and ps.successes >= thr_ok:
-                    cr.ready = True
-                elif not ok and ps.failures >= thr_fail:
-                    cr.ready = False
-            if not ok and kind in ("startupProbe", "livenessProbe") and ps.failures >= thr_fail:
-                log.warning("%s/%s: %s failed %s %d times: restarting", self.ns, self.pname, cr.name, kind, thr_fail)
-                self._kill(cr, float(self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
-        if "readinessProbe" not in c:
-            cr.ready = cr.started
-
-    # -- status --
-    def _cond(self, type_: str, ok: bool) -> dict:
-        status = "True" if ok else "False"
-        prev = self.cond_times.get(type_)
-        if prev is None or prev[0] != status:
-            self.cond_times[type_] = (status, now_iso())
-        return {"type": type_, "status": status, "lastProbeTime": None,
-                "lastTransitionTime": self.cond_times[type_][1]}
-
-    def _status(self, phase: str) -> dict:
-        all_ready = bool(self.containers) and all(c.ready for c in self.containers) and phase == "Running"
-        return {
-            "phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-            "podIP": self.ip, "podIPs": [{"ip": self.ip}], "startTime": self.start_time,
-            "qosClass": "BestEffort",
-            "conditions": [self._cond("PodReadyToStartContainers", True), self._cond("Initialized", True),
-                           self._cond("ContainersReady", all_ready), self._cond("Ready", all_ready),
-                           self._cond("PodScheduled", True)],
-            "containerStatuses": [c.status() for c in self.containers],
-        }
-
-    def _patch(self, status: dict) -> None:
-        if status == self.last_status:
-            return
-        try:
-            self.api.patch_namespaced_pod_status(self.pname, self.ns, {"status": status})
-            self.last_status = status
-        except Exception as e:  # noqa: BLE001 - retried next tick
-            if getattr(e, "status", None) == 404:
-                self.gone = True
-            else:
-                log.warning("%s/%s: status patch failed: %s", self.ns, self.pname, e)
-
-    def _phase(self, policy: str) -> str:
-        if policy == "Always":
-            return "Running"
-        done = [c for c in self.containers if c.terminated is not None and c.waiting_reason is None]
-        if len(done) < len(self.containers):
-            return "Running"
-        return "Succeeded" if all(c.terminated["exitCode"] == 0 for c in done) else "Failed"
-
-    # -- the loop --
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception:  # noqa: BLE001
-            log.exception("%s/%s: runner failed", self.ns, self.pname)
-            for cr in self.containers:
-                self._kill(cr, 1)
-        finally:
-            self.finished = True
-            self.node.release_ip(self.ip)
-
-    def _deleting(self) -> bool:
-        with self.lock:
-            return self.gone or bool(self.pod["metadata"].get("deletionTimestamp"))
-
-    def _run(self) -> None:
-        policy = self.pod["spec"].get("restartPolicy", "Always")
-        self.containers = [ContainerRun(c, self.dir / f"{c['name']}.log") for c in self.pod["spec"]["containers"]]
-        while not self._prepare():  # a claim is not bound yet
-            if self._deleting():
-                return self._finalize()
-            self._patch({"phase": "Pending", "conditions": [self._cond("PodScheduled", True)]})
-            time.sleep(1)
-        for cr in self.containers:
-            try:
-                self._start(cr)
-            except Exception as e:  # noqa: BLE001 - reported like a kubelet would
-                cr.waiting_reason, cr.waiting_message = "RunContainerError", str(e)
-                cr.terminated = {"exitCode": 128, "reason": "StartError", "message": str(e),
-                                 "startedAt": now_iso(), "finishedAt": now_iso()}
-                cr.waiting_reason = None if policy != "Always" else "CrashLoopBackOff"
-                cr.restart_at = time.monotonic() + 10
-                log.error("%s/%s: %s cannot start: %s", self.ns, self.pname, cr.name, e)
-        while not self._deleting() and not self.node.stopping.is_set():
-            for cr in self.containers:
-                self._tick_container(cr, policy)
-            self._patch(self._status(self._phase(policy)))
-            time.sleep(self.TICK)
-        self._finalize()
-
-    def _finalize(self) -> None:
-        with self.lock:
-            grace = self.pod["metadata"].get("deletionGracePeriodSeconds")
-        if grace is None:
-            grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
-        grace = min(float(grace), self.node.max_grace_seconds)
-        threads = [threading.Thread(target=self._kill, args=(cr, grace)) for cr in self.containers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if self.node.stopping.is_set() and not self._deleting():
-            return  # the node stops: leave the pod object (a fresh node would adopt it)
-        if not self.gone:
-            try:
-                self.api.delete_namespaced_pod(self.pname, self.ns, grace_period_seconds=0,
-                                               body={"preconditions": {"uid": self.uid}, "gracePeriodSeconds": 0})
-            except Exception as e:  # noqa: BLE001
-                if getattr(e, "status", None) not in (404, 409):
-                    log.warning("%s/%s: final delete failed: %s", self.ns, self.pname, e)
-        log.info("%s/%s: removed", self.ns, self.pname)
 
 
 # --- the node ----------------------------------------------------------------------------------
@@ -547,14 +70,14 @@ class ProcNode:
                  gpus: int = 4, cpu: str = "32", memory: str = "256Gi", ip_subnet: int = 250,
                  apiserver_port: int = 443, share_model_cache: bool = True, max_grace_seconds: float = 30,
                  provision_volumes: bool = True, extra_env: dict[str, str] | None = None,
-                 poll_seconds: float = 0.5):
+                 poll_seconds: float = 0.5, loopback_ips: bool = False):
         self.kubeconfig, self.name = kubeconfig, name
         self.state_dir = Path(state_dir or Path(kubeconfig).parent / "procnode" / name)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.gpus, self.cpu, self.memory = gpus, cpu, memory
         self.ip_subnet = ip_subnet
-        self.ip_prefix = f"10.244.{ip_subnet}"
-        self.loopback_ips = False
+        self.loopback_ips = loopback_ips  # True: 127.0.<ip_subnet>.x, no `ip addr add` (no CAP_NET_ADMIN)
+        self.ip_prefix = f"127.0.{ip_subnet}" if loopback_ips else f"10.244.{ip_subnet}"
         self.apiserver_port = apiserver_port
         self.model_cache = (os.environ.get("KILN_CACHE_DIR") or str(Path.home() / ".cache" / "kiln")) \
             if share_model_cache else None
@@ -563,6 +86,8 @@ class ProcNode:
         self.extra_env = dict(extra_env or {})
         self.poll_seconds = poll_seconds
         self.stopping = threading.Event()
+        self.kubelet_port = 0
+        self._log_srv = None
         self.runners: dict[str, PodRunner] = {}
         self._ips_lock = threading.Lock()
         self._ips_used: set[str] = set()
@@ -582,7 +107,10 @@ class ProcNode:
                 ip = f"{self.ip_prefix}.{x}"
                 if ip in self._ips_used:
                     continue
-                r = subprocess.run(["ip", "addr", "add", f"{ip}/32", "dev", "lo"], capture_output=True, text=True)
+                try:
+                    r = subprocess.run(["ip", "addr", "add", f"{ip}/32", "dev", "lo"], capture_output=True, text=True)
+                except OSError as e:  # no `ip` command
+                    r = subprocess.CompletedProcess([], 1, "", str(e))
                 if r.returncode == 0:
                     self._ips_used.add(ip)
                     return ip
@@ -605,7 +133,7 @@ class ProcNode:
     def release_ip(self, ip: str) -> None:
         with self._ips_lock:
             self._ips_used.discard(ip)
-            if not self.loopback_ips:
+            if not self.loopback_ips and ip.startswith(self.ip_prefix + "."):
                 subprocess.run(["ip", "addr", "del", f"{ip}/32", "dev", "lo"], capture_output=True)
 
     # -- the Node object --
@@ -629,9 +157,9 @@ class ProcNode:
         conds.append({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "procnode is ready",
                       "lastHeartbeatTime": t, "lastTransitionTime": self._started_at})
         return {"status": {"capacity": cap, "allocatable": dict(cap), "conditions": conds,
-                           "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                                         {"type": "Hostname", "address": self.name}],
-                           "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+                           # No Hostname address: the API server would dial it for `kubectl logs`.
+                           "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+                           "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
                            "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux",
                                         "kubeletVersion": "v0.0.0-procnode", "kubeProxyVersion": "",
                                         "containerRuntimeVersion": "proc://1", "osImage": "host",
@@ -749,7 +277,71 @@ class ProcNode:
                     self.runners.pop(uid, None)
             self.stopping.wait(self.poll_seconds)
 
+    # -- `kubectl logs`: the kubelet's /containerLogs endpoint over TLS --
+    def _log_server(self):
+        import http.server
+        import ssl
+        import urllib.parse
+        cert, key = self.state_dir / "kubelet.crt", self.state_dir / "kubelet.key"
+        if not cert.exists():
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                            "-nodes", "-days", "365", "-subj", f"/CN={self.name}",
+                            "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                           check=True, capture_output=True)
+        node = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                url = urllib.parse.urlparse(self.path)
+                parts = url.path.strip("/").split("/")
+                if len(parts) != 4 or parts[0] != "containerLogs":
+                    self.send_error(404)
+                    return
+                _, ns, pod, container = parts
+                q = urllib.parse.parse_qs(url.query)
+                path = pod_log_path(node.state_dir, ns, pod, container)
+                if path is None:
+                    self.send_error(404, f"no log for {ns}/{pod}/{container}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                data = path.read_bytes()
+                if q.get("tailLines"):
+                    data = b"".join(data.splitlines(keepends=True)[-int(q["tailLines"][0]):])
+                try:
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                    if q.get("follow", ["false"])[0] == "true":
+                        with open(path, "rb") as f:
+                            f.seek(0, 2)
+                            while not node.stopping.is_set():
+                                chunk = f.read()
+                                if chunk:
+                                    self.wfile.write(chunk)
+                                    self.wfile.flush()
+                                else:
+                                    time.sleep(0.5)
+                except OSError:
+                    pass
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        srv.daemon_threads = True
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+        self._log_srv = srv
+        self.kubelet_port = srv.server_address[1]
+        threading.Thread(target=srv.serve_forever, daemon=True, name="procnode-logs").start()
+
     def start(self) -> "ProcNode":
+        try:
+            self._log_server()
+        except Exception as e:  # noqa: BLE001 - a bonus: logs stay readable as files
+            log.warning("no kubectl logs endpoint: %s", e)
         self.register()
         for fn in (self._heartbeat_loop, self._pods_loop) + ((self._provision_loop,) if self.provision_volumes else ()):
             t = threading.Thread(target=fn, name=f"procnode-{fn.__name__}", daemon=True)
@@ -782,6 +374,9 @@ class ProcNode:
                         cr.proc.wait()
         for t in self._threads:
             t.join(timeout=5)
+        if self._log_srv is not None:
+            self._log_srv.shutdown()
+            self._log_srv.server_close()
         if delete_node:
             try:
                 self.api.delete_node(self.name)

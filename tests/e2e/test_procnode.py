@@ -75,6 +75,8 @@ def test_jobs_pvc_and_exit_codes(stack, ns):
     assert written and written[0].read_text() == pods["write"]["metadata"]["name"]
     log = pod_log_path(stack.state_dir, ns, pods["fail"]["metadata"]["name"], "main")
     assert log is not None and "bye" in log.read_text()
+    # `kubectl logs` goes through the API server to the node's kubelet-like endpoint.
+    assert "bye" in stack.kubectl("logs", "-n", ns, pods["fail"]["metadata"]["name"], "-c", "main")
 
 
 SERVER = """
@@ -133,3 +135,64 @@ def test_probes_endpoints_and_kill_on_delete(stack, ns):
         except ProcessLookupError:
             return True
     wait_for("processes gone", lambda: all(dead(p) for p in pids), timeout=15)
+
+
+@pytest.mark.e2e
+@pytest.mark.cluster
+def test_liveness_failure_restarts_and_crash_loop(stack, ns):
+    def dep(name, code, probe=None):
+        c = {"name": "main", "image": "python", "command": ["python3", "-c", code]}
+        if probe:
+            c["livenessProbe"] = probe
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+                "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+                         "template": {"metadata": {"labels": {"app": name}}, "spec": {
+                             "terminationGracePeriodSeconds": 2, "containers": [c]}}}}
+    # Nothing listens on port 9: the liveness probe fails and the container is restarted.
+    stack.apply_obj(dep("unlive", "import time; time.sleep(1000)",
+                        {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 2}), ns)
+    stack.apply_obj(dep("crash", "import sys; sys.exit(1)"), ns)
+
+    def status(app):
+        pods = stack.pods(ns, f"app={app}")
+        return pods[0]["status"]["containerStatuses"][0] if pods and pods[0].get("status", {}).get(
+            "containerStatuses") else {}
+    wait_for("a liveness restart", lambda: status("unlive").get("restartCount", 0) >= 1, timeout=60)
+    crash = wait_for("CrashLoopBackOff", lambda: (status("crash").get("state") or {}).get("waiting", {}).get(
+        "reason") == "CrashLoopBackOff" and status("crash"), timeout=60)
+    assert crash["lastState"]["terminated"]["exitCode"] == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.cluster
+def test_loopback_pod_ips_fallback(stack, ns):
+    """A node without CAP_NET_ADMIN hands out 127.0.x.y pod IPs: the EndpointSlice controller
+    refuses them, and proc_proxy falls back to the Service's Ready pods."""
+    from procnode import ProcNode
+    node = ProcNode(stack.plane.kubeconfig, "proc-lo", stack.state_dir.parent / "proc-lo", ip_subnet=251,
+                    apiserver_port=stack.plane.state["ports"]["apiserver"], loopback_ips=True,
+                    provision_volumes=False).start()
+    try:
+        dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "lo"},
+               "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "lo"}},
+                        "template": {"metadata": {"labels": {"app": "lo"}}, "spec": {
+                            "nodeSelector": {"kubernetes.io/hostname": "proc-lo"},
+                            "terminationGracePeriodSeconds": 2,
+                            "containers": [{"name": "web", "image": "python", "command": ["python3", "-c", SERVER],
+                                            "args": ["0.0.0.0"], "env": [{"name": "SCRATCH", "value": "/nowhere"}],
+                                            "ports": [{"name": "http", "containerPort": 8080}],
+                                            "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"},
+                                                               "periodSeconds": 1}}]}}}}
+        stack.apply_obj(dep, ns)
+        stack.apply_obj({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "lo"},
+                         "spec": {"selector": {"app": "lo"}, "ports": [{"name": "http", "port": 80,
+                                                                        "targetPort": "http"}]}}, ns)
+        proxy = stack.proxy("lo", ns)
+        eps = proxy.wait_endpoints(1, timeout=60)
+        assert eps[0][0].startswith("127.0.251.") and eps[0][1] == 8080
+        import httpx
+        assert httpx.get(proxy.url + "/", timeout=5).text == "hi"
+        stack.kubectl("delete", "deployment", "lo", "-n", ns, "--wait=true")
+        wait_for("pods gone", lambda: not stack.pods(ns), timeout=60)
+    finally:
+        node.stop()

@@ -12,8 +12,9 @@ Kernel: each program computes a ``BLOCK_M x BLOCK_N`` tile of ``y`` over a range
 ``BLOCK_K`` step it loads the packed words once (``[BLOCK_K / 8, BLOCK_N]`` int32), and for
 each of the 8 nibbles turns the codes into floats with the ``2**23`` magic number (OR into a
 float32's mantissa: no slow int-to-float conversion), applies the group's zero point and
-scale (one row of them when ``BLOCK_K <= G``, one per packed row otherwise) and feeds ``tl.dot`` with the x columns
-``k0 + 8 j + i`` (eight products of depth ``BLOCK_K / 8``, no register reshuffle).
+scale (one row of them when ``BLOCK_K <= G``, one per packed row otherwise) and feeds
+``tl.dot`` with the x columns ``k0 + 8 j + i`` (eight products of depth ``BLOCK_K / 8``, no
+register reshuffle).
 For small M (decode: 1..16 rows) the weight read is the whole cost and N / BLOCK_N tiles do
 not fill the GPU, so K is split over ``SPLIT_K`` programs that write float32 partial sums,
 added afterwards (split-K; deterministic, no atomics).  Launch choices live in

@@ -5,12 +5,14 @@ Acceleration", MLSys 2024): a few input channels carry large activations, and th
 that multiply them matter most.  Scaling those weight columns up by ``s`` before rounding (and
 the activations down by ``s``, folded into the previous operation) shrinks their relative
 rounding error.  AWQ searches ``s = mean|x|^r`` (normalized) over a grid ``r in [0, 1)`` for
-the value that minimizes the layer's output error on calibration tokens,
+the value that minimizes the layer's output error on calibration tokens (also in the
+reference's "duo" form that divides by the weights' mean normalized magnitude),
 
     r* = argmin_r || X W^T - (X / s) Q(W * s)^T ||^2,
 
-then searches a per-group clipping threshold of the scaled weights (``max|w|`` shrunk by up
-to 50%) the same way.  Folds: RMSNorm weights before QKV and gate-up, up-projection rows
+then searches a per-group clipping range of the scaled weights (``max|w|`` shrunk by up to
+50%, symmetric as in the reference, or the ``[min, max]`` range shrunk proportionally) the same
+way, and rounds with the chosen ranges.  Folds: RMSNorm weights before QKV and gate-up, up-projection rows
 before down, value rows before the output projection when heads are not grouped (under GQA
 the output projection is only clipped, as in the reference implementation).  Q/K rows are
 not clipped (the reference skips them: the softmax is sensitive to them).
@@ -36,62 +38,77 @@ CLIP_CHUNK = 1024  # output rows per clip-search chunk (bounds memory)
 def search_scale(x: torch.Tensor, x_absmean: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
     """AWQ's scale search for one input shared by the rows of ``w``.
 
+    Candidates (the reference implementation's two families): ``s = mean|x|^r`` and the
+    "duo" form ``s = mean|x|^r / mean|w_hat|^(1-r)`` (``w_hat``: weights normalized by their
+    group's max), ``r = i / 20``, each normalized by ``sqrt(max s * min s)``; ``r = 0`` of the
+    first family is plain rounding, so the result is never worse than it on the calibration rows.
+
     Args:
         x: float32 [S, K] calibration rows of the input.
         x_absmean: float32 [K] mean |x| per channel over all calibration tokens.
         w: float32 [N, K] weights of every linear that reads ``x``.
     Returns:
-        float32 [K] scales (all ones when no ratio beats plain rounding).
+        float32 [K] scales.
     """
+    N, K = w.shape
+    wg = w.abs().reshape(N, K // group_size, group_size)
+    w_mean = (wg / wg.amax(dim=2, keepdim=True).clamp(min=1e-8)).reshape(N, K).mean(dim=0)
     ref = x @ w.t()
     best, best_s = float("inf"), torch.ones_like(x_absmean)
-    for i in range(N_GRID):
-        r = i / N_GRID
-        s = x_absmean.clamp(min=1e-4).pow(r)
-        s = s / (s.max() * s.min()).sqrt()
-        wq = int4.fake_quantize(w * s, group_size) / s
-        loss = (ref - x @ wq.t()).pow(2).mean().item()
-        if loss < best:
-            best, best_s = loss, s
+    xm = x_absmean.clamp(min=1e-4)
+    for duo in (False, True):
+        for i in range(N_GRID):
+            r = i / N_GRID
+            s = (xm.pow(r) / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4) if duo else xm.pow(r)
+            s = s / (s.max() * s.min()).sqrt()
+            wq = int4.fake_quantize(w * s, group_size) / s
+            loss = (ref - x @ wq.t()).pow(2).mean().item()
+            if loss < best:
+                best, best_s = loss, s
     return best_s
 
 
-def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """AWQ's clipping search: per output row and group, the threshold ``max|w| * (1 - i/20)``
-    (i < 10) whose quantized group product ``x_g . Q(clip(w_g))`` is closest to ``x_g . w_g``.
+def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's clipping search, per output row and group: the quantization range whose rounded
+    group product ``x_g . Q(w_g)`` is closest to ``x_g . w_g`` on calibration rows.  Candidates:
+    the reference's symmetric clamps ``|w| <= max|w| * (1 - i/20)`` (i < 10) and proportional
+    shrinks of the asymmetric range ``[min, max] * (1 - i/20)``; ``i = 0`` is plain min/max.
 
     Args:
         x: float32 [S, K] calibration rows (already divided by the AWQ scales).
         w: float32 [N, K] (already multiplied by the scales).
     Returns:
-        the clipped weights float32 [N, K].
+        scales, zeros float32 [N, K // G] for ``int4.quantize_with``.
     """
     N, K = w.shape
     ng = K // group_size
     xg = x[:CLIP_TOKENS].reshape(-1, ng, group_size)  # [S, ng, G]
-    out = torch.empty_like(w)
+    out_s = torch.empty(N, ng, device=w.device)
+    out_z = torch.empty(N, ng, device=w.device)
     for n0 in range(0, N, CLIP_CHUNK):
         wg = w[n0:n0 + CLIP_CHUNK].reshape(-1, ng, group_size)  # [n, ng, G]
         ref = torch.einsum("sgk,ngk->sng", xg, wg)
-        org_max = wg.abs().amax(dim=-1, keepdim=True)
-        best_max = org_max.clone()
-        min_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
+        wmax = wg.amax(dim=-1).clamp(min=0)
+        wmin = wg.amin(dim=-1).clamp(max=0)
+        amax = torch.maximum(wmax, -wmin)
+        best_s = torch.zeros_like(wmax)
+        best_z = torch.zeros_like(wmax)
+        min_err = torch.full(wmax.shape, float("inf"), device=w.device)
         for i in range(int(MAX_SHRINK * CLIP_GRID)):
-            max_val = org_max * (1 - i / CLIP_GRID)
-            cur = torch.maximum(torch.minimum(wg, max_val), -max_val)
-            q = int4.fake_quantize(cur.reshape(-1, K), group_size).reshape(cur.shape)
-            err = (torch.einsum("sgk,ngk->sng", xg, q) - ref).pow(2).mean(dim=0)  # [n, ng]
-            better = err < min_err
-            min_err = torch.where(better, err, min_err)
-            best_max = torch.where(better.unsqueeze(-1), max_val, best_max)
-        out[n0:n0 + CLIP_CHUNK] = torch.maximum(torch.minimum(wg, best_max), -best_max).reshape(-1, K)
-    return out
-
-
-def quantize_rtn(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest int4 with min/max group parameters: (codes, scales, zeros)."""
-    s, z = int4.quantize_params(w, group_size)
-    return int4.quantize_with(w, s, z, group_size), s, z
+            f = 1 - i / CLIP_GRID
+            for hi, lo in ((torch.minimum(wmax, amax * f), torch.maximum(wmin, -amax * f)), (wmax * f, wmin * f)):
+                s = ((hi - lo) / 15).clamp(min=1e-8)
+                z = torch.round(-lo / s).clamp(0, 15)
+                q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, 15)
+                deq = (q - z[..., None]) * s[..., None]
+                err = (torch.einsum("sgk,ngk->sng", xg, deq) - ref).pow(2).mean(dim=0)  # [n, ng]
+                better = err < min_err
+                min_err = torch.where(better, err, min_err)
+                best_s = torch.where(better, s, best_s)
+                best_z = torch.where(better, z, best_z)
+        out_s[n0:n0 + CLIP_CHUNK] = best_s
+        out_z[n0:n0 + CLIP_CHUNK] = best_z
+    return out_s, out_z
 
 
 class AwqHandler(QuantHandler):
@@ -139,12 +156,17 @@ class AwqHandler(QuantHandler):
             gu.weight[inter:].div_(s[:, None])
             xs["down"] = st.samples / s
 
-            # 2. clipping search, then rounding
-            w = qkv.weight.float().clone()
-            w[q_size + kv_size:] = search_clip(xs["qkv"], w[q_size + kv_size:], G)
-            store_int4(qkv, *quantize_rtn(w, G), G)
+            # 2. clipping (range) search, then rounding with the chosen ranges
+            w = qkv.weight.float()
+            qk = q_size + kv_size
+            s_qk, z_qk = int4.quantize_params(w[:qk], G)  # Q/K rows: plain min/max
+            s_v, z_v = search_clip(xs["qkv"], w[qk:], G)
+            sc, zr = torch.cat([s_qk, s_v]), torch.cat([z_qk, z_v])
+            store_int4(qkv, int4.quantize_with(w, sc, zr, G), sc, zr, G)
             for key, mod in (("o", o), ("gu", gu), ("down", down)):
-                store_int4(mod, *quantize_rtn(search_clip(xs[key], mod.weight.float(), G), G), G)
+                w = mod.weight.float()
+                sc, zr = search_clip(xs[key], w, G)
+                store_int4(mod, int4.quantize_with(w, sc, zr, G), sc, zr, G)
 
 
 register("int4-awq", AwqHandler, lambda settings, name: Int4LinearMethod(settings.group_size))

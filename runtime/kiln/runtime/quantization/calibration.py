@@ -27,7 +27,7 @@ from ..attention import AttentionMetadata
 from .base import LayerStats, decoder_linears
 
 SAMPLE_TOKENS = 128  # tokens per calibration sample
-MAX_SAVED_ROWS = 512  # input rows kept per linear for AWQ's loss (deterministic stride)
+MAX_SAVED_ROWS = 1024  # input rows kept per linear for AWQ's loss (deterministic stride)
 
 
 def data_path(name: str) -> Path:
