@@ -4,14 +4,24 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast serve clean
+.PHONY: setup demo demo-down demo-runtime test test-fast test-e2e serve clean
 setup: $(VENV)/.kiln-installed
 
 $(VENV)/.kiln-installed: pyproject.toml requirements/lock.txt
 	bash .ci/setup-venv.sh
 	touch $@
 
+# The whole product on the embedded default: test control plane + process-backed node, helm
+# install, kubectl apply examples/smollm2.yaml, engine build Job, rollout, one chat completion
+# through the Service with the openai client.  Leaves the plane up; `make demo-down` stops it.
 demo: setup
+	$(VPY) tests/cluster/demo_cluster.py
+
+demo-down:
+	$(VPY) tests/cluster/demo_cluster.py --down-only
+
+# The runtime alone: `kiln serve` on the embedded default and one chat request.
+demo-runtime: setup
 	$(VPY) -m kiln.runtime.demo
 
 test: setup
@@ -19,6 +29,9 @@ test: setup
 
 test-fast: setup
 	$(VPY) -m pytest -q -m "not slow and not cluster and not e2e"
+
+test-e2e: setup
+	$(VPY) -m pytest -q -m e2e tests/e2e
 
 serve: setup
 	$(VENV)/bin/kiln serve

@@ -94,7 +94,7 @@ Still running: plane {a.plane!r}, node proc-0 (pods are local processes), the op
     export KUBECONFIG={stack.plane.kubeconfig}
     {stack.plane.kubectl_bin} get ie,pods,jobs,svc -n {a.namespace}
     .venv/bin/python tests/cluster/procnode.py logs {a.namespace} <pod> --plane {a.plane}   # pod logs
-Tear down (stops the plane, the node's processes and the operator; built engines stay on disk):
+Tear down (stops the plane, the node's processes and the operator, removes the node's volumes):
     .venv/bin/python {me} --down-only --plane {a.plane}
 """, flush=True)
         return 0 if ok else 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,6 +191,9 @@ class Stack:
         self._stop_pid("procnode", 40)
         if not keep_plane:
             self.plane.down(remove=remove)
+            # A restarted plane has a fresh etcd (no claims, no engine records): the node's
+            # volume folders could never be reused, so they go with it.
+            shutil.rmtree(self.state_dir.parent / "volumes", ignore_errors=True)
 
     # -- resources --
     def ensure_namespace(self, ns: str) -> None:
