@@ -260,6 +260,9 @@ class PodRunner(threading.Thread):
         if self.node.model_cache:
             env["KILN_CACHE_DIR"] = self.node.model_cache
         env.update(self.node.extra_env)
+        # The node's own variables (PATH to the repo's venv, HOME, caches) are host paths: only
+        # the container's env is mapped onto its volumes (a repo under /tmp must keep its PATH).
+        base, env = env, {}
         for e in c.get("env") or []:
             if "value" in e:
                 env[e["name"]] = e["value"]
@@ -277,7 +280,7 @@ class PodRunner(threading.Thread):
                 except Exception:  # noqa: BLE001
                     if not (vf.get("secretKeyRef") or vf.get("configMapKeyRef") or {}).get("optional"):
                         raise
-        return {k: map_value(v, mounts, self.ip) for k, v in env.items()}
+        return {**base, **{k: map_value(v, mounts, self.ip) for k, v in env.items()}}
 
     def _start(self, cr: ContainerRun) -> None:
         c = cr.spec
