@@ -92,12 +92,15 @@ BAD = [
     ({"prompt": "hi", "top_p": 1.5}, "1.5"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": 12}, "prompt"),
+    ({"prompt": "hi", "temperature": float("nan")}, "finite"),
+    ({"prompt": "hi", "temperature": float("inf")}, "finite"),
 ]
 
 
 @pytest.mark.parametrize("body,needle", BAD, ids=[b[1] for b in BAD])
 def test_bad_input_gets_400(server, body, needle):
-    r = httpx.post(f"{server.v1}/completions", json=body, timeout=30)
+    r = httpx.post(f"{server.v1}/completions", content=json.dumps(body).encode(),  # json.dumps writes NaN
+                   headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"], err
@@ -119,3 +122,25 @@ def test_openai_client_raises_bad_request(client):
     r = client.chat.completions.create(model="builtin:smollm2-135m-instruct", max_tokens=4, temperature=0,
                                        messages=[{"role": "user", "content": "hi"}])
     assert r.choices[0].message.content
+
+
+def test_invalid_unicode_and_deep_nesting_get_400(server):
+    r = httpx.post(f"{server.v1}/completions", content=b'{"prompt": "hi \\ud800 there", "max_tokens": 2}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "tokenized" in r.json()["error"]["message"]
+    deep = b'{"prompt": "hi", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    r = httpx.post(f"{server.v1}/completions", content=deep, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+
+
+def test_non_streaming_disconnect_aborts(server):
+    import time
+
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.v1}/completions", json={"prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True},
+                   timeout=3)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.metric("kiln_num_requests_running") > 0:
+        time.sleep(0.5)
+    assert server.metric("kiln_num_requests_running") == 0
+    assert server.metric("kiln_kv_cache_usage_ratio") == 0.0

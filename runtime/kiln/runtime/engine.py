@@ -148,7 +148,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send token ids as the prompt")
-            return prompt, list(self.tokenizer.encode(prompt))
+            try:
+                return prompt, list(self.tokenizer.encode(prompt))
+            except Exception as e:  # e.g. a lone UTF-16 surrogate the tokenizer cannot encode
+                raise InvalidRequestError(f"the prompt cannot be tokenized (invalid Unicode?): {e}") from e
         return None, [int(t) for t in prompt]
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:

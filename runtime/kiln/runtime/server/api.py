@@ -16,7 +16,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -28,6 +28,10 @@ from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+
+
+class _AuthError(Exception):
+    """Missing or wrong API key (-> 401)."""
 
 
 def error_body(message: str, etype: str = "invalid_request_error", code: str | None = None,
@@ -75,6 +79,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         return outs
 
     engine.step = step_with_gauges  # type: ignore[method-assign]
+    aengine.on_change = lambda: metrics.update_gauges(engine.scheduler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -100,15 +105,21 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
     async def _on_invalid(request: Request, exc: InvalidRequestError):
         return _error(400, str(exc))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
+    @app.exception_handler(_AuthError)
+    async def _on_auth(request: Request, exc: _AuthError):
+        return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                      "authentication_error", "invalid_api_key")
+
+    def _check_key(request: Request) -> None:
+        """Bearer-token check for /v1/* (a dependency, not an HTTP middleware: Starlette's
+        BaseHTTPMiddleware would hide client disconnects from the endpoints)."""
+        if api_key:
             header = request.headers.get("authorization", "")
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if not secrets.compare_digest(token.encode(), api_key.encode()):
-                return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                              "authentication_error", "invalid_api_key")
-        return await call_next(request)
+                raise _AuthError()
+
+    auth = [Depends(_check_key)]
 
     @app.get("/health")
     async def health():
@@ -126,7 +137,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
     async def prom():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models():
         return {"object": "list", "data": [{
             "id": engine.served_model_name, "object": "model", "created": created, "owned_by": "kiln",
@@ -142,29 +153,44 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequestError(f"malformed JSON body: {e}") from e
+        except RecursionError as e:
+            raise InvalidRequestError("malformed JSON body: nested too deeply") from e
         if not isinstance(body, dict):
             raise InvalidRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
         try:
             return cls.model_validate(body)
         except ValidationError as e:
             raise InvalidRequestError(_validation_message(e)) from e
+        except RecursionError as e:
+            raise InvalidRequestError("request body nested too deeply") from e
 
     async def _collect(gen: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
         """Drain a generation, aborting it if the client disconnects."""
         last = None
         it = gen.__aiter__()
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + 1.0
         while True:
             nxt = asyncio.ensure_future(it.__anext__())
             while not nxt.done():
-                done, _ = await asyncio.wait({nxt}, timeout=1.0)
-                if not done and await request.is_disconnected():
-                    nxt.cancel()
-                    await it.aclose()
-                    raise asyncio.CancelledError("client disconnected")
+                await asyncio.wait({nxt}, timeout=1.0)
+                # Check the connection about once a second, whether tokens are flowing or not.
+                if loop.time() >= next_check:
+                    next_check = loop.time() + 1.0
+                    if await request.is_disconnected():
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)
+                        await it.aclose()
+                        raise asyncio.CancelledError("client disconnected")
             try:
                 last = nxt.result()
             except StopAsyncIteration:
                 return last
+            if loop.time() >= next_check:
+                next_check = loop.time() + 1.0
+                if await request.is_disconnected():
+                    await it.aclose()
+                    raise asyncio.CancelledError("client disconnected")
 
     async def _start(prompt, params, rid: str) -> AsyncIterator[RequestOutput]:
         """Submit and wait until the engine accepted the request (so 400s surface here)."""
@@ -178,7 +204,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         return chained()
 
     # ---- /v1/completions -------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
         req: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(req.model)
@@ -256,11 +282,15 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for g in gens:
-                await g.aclose()
+                try:
+                    await g.aclose()
+                except RuntimeError:  # generator still closing from the cancelled pump
+                    pass
 
     # ---- /v1/chat/completions --------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request):
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(req.model)

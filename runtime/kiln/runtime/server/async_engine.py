@@ -49,6 +49,8 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.errored: BaseException | None = None
+        # Called (in the event loop) after aborts change the engine's state between steps.
+        self.on_change = None
         self.ready = False
 
     def start(self) -> None:
@@ -127,6 +129,8 @@ class AsyncEngine:
         for rid in aborts:
             self.engine.abort_request(rid)
             self._queues.pop(rid, None)
+        if aborts and self.on_change is not None:
+            self.on_change()  # gauges must not wait for the next step to show the abort
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
