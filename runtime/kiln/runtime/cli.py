@@ -54,6 +54,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .engine import LLMEngine  # noqa: PLC0415
     from .server.api import build_app  # noqa: PLC0415
 
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
     api_key = ns.api_key or os.environ.get("KILN_API_KEY") or None
     engine = LLMEngine(engine_args_from(ns))
     app = build_app(engine, api_key=api_key)

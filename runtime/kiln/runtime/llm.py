@@ -44,9 +44,23 @@ class LLM:
         Raises:
             InvalidRequestError: a prompt the model cannot take (nothing is left queued).
         """
+        if not isinstance(prompts, (str, list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of strings or a list of token-id lists, "
+                            f"got {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of strings or a list of token-id lists, "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
+        for p in prompts:
+            ok = isinstance(p, str) or (isinstance(p, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p))
+            if not ok:
+                raise TypeError(f"each prompt must be a string or a list of token ids, got {p!r:.80}")
+        if sampling_params is not None and not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise TypeError(f"sampling_params must be SamplingParams (or a list of them), "
+                            f"got {type(sampling_params).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -68,7 +82,15 @@ class LLM:
         sampling_params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (chat template of the model)."""
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conv in convs:
+            for m in conv:
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool") \
+                        or not isinstance(m.get("content"), str):
+                    raise ValueError(f"each message needs a role (system, user, assistant, developer, tool) "
+                                     f"and a string content, got {m!r:.80}")
         token_lists = [self.engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(token_lists, sampling_params)
 

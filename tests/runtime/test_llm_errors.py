@@ -1,0 +1,53 @@
+"""The offline API refuses malformed prompts and messages with clear errors and keeps working."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from kiln.runtime import LLM
+
+    d = tmp_path_factory.mktemp("tiny")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 2}))
+    return LLM(model=str(d), load_format="dummy", num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("bad", [None, 5, {"a": 1}, [[1, "x"]], [3.5]])
+def test_bad_prompts(llm, bad):
+    with pytest.raises(TypeError):
+        llm.generate(bad)
+
+
+def test_bad_requests_leave_engine_usable(llm):
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        llm.generate([[1, 999]], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="512"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=10_000))
+    with pytest.raises(TypeError):
+        llm.generate([[1, 2]], {"max_tokens": 2})
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="integer"):
+        SamplingParams(max_tokens=2.5)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert llm.engine.scheduler.kv_cache_manager.num_allocated_uncached_blocks == 0
+
+
+def test_chat_message_validation(llm):
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(ValueError, match="content"):
+        llm.chat([{"role": "user"}])
