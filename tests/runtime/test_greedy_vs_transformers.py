@@ -16,10 +16,6 @@ def _greedy():
     return SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
 
-def _trim(ref: list[int], eos: int = 2) -> list[int]:
-    return ref
-
-
 def _make_llm(**kw):
     from kiln.runtime import LLM
 

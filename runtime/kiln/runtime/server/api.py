@@ -213,8 +213,6 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             prompts = req.prompts()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
-        if req.stream and len(prompts) > 1:
-            pass
         base = f"cmpl-{uuid.uuid4().hex}"
         gens = []
         try:
@@ -238,7 +236,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices,
-                "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+                "usage": _usage(ptoks, ctoks)}
 
     async def _stream_completions(base, model, gens, n, req: CompletionRequest):
         created_ts = int(time.time())
@@ -276,7 +274,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                     yield f"data: {json.dumps(chunk)}\n\n"
             if req.stream_options and req.stream_options.include_usage:
                 usage = {"id": base, "object": "text_completion", "created": created_ts, "model": model, "choices": [],
-                         "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+                         "usage": _usage(ptoks, ctoks)}
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -313,7 +311,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices,
-                "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+                "usage": _usage(ptoks, ctoks)}
 
     async def _stream_chat(rid, model, gen, n, req: ChatCompletionRequest):
         created_ts = int(time.time())
@@ -341,14 +339,19 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                 ctoks = sum(len(c.token_ids) for c in final.outputs)
                 ptoks = len(final.prompt_token_ids)
                 usage = {"id": rid, "object": "chat.completion.chunk", "created": created_ts, "model": model,
-                         "choices": [], "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks,
-                                                  "total_tokens": ptoks + ctoks}}
+                         "choices": [], "usage": _usage(ptoks, ctoks)}
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()
 
     return app
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object (tokens)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _completion_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine) -> dict[str, Any] | None:
