@@ -91,10 +91,23 @@ def greedy_equivalence() -> None:
 def llama8b(**kw):
     from kiln.runtime import LLM
 
-    return LLM(model="builtin:llama-3.1-8b", load_format="dummy", dtype="bfloat16", kv_cache_memory_fraction=0.85, **kw)
+    kw.setdefault("kv_cache_memory_fraction", 0.85)
+    return LLM(model="builtin:llama-3.1-8b", load_format="dummy", dtype="bfloat16", **kw)
+
+
+def set_async(llm, on: bool) -> None:
+    """Switch asynchronous scheduling between generate() calls (no request is live then)."""
+    llm.engine.args.async_scheduling = on
+    llm.engine.scheduler.config.async_scheduling = on
 
 
 def batch1_decode(llm, copy_bw: float) -> None:
+    for on in (False, True):
+        set_async(llm, on)
+        _batch1_decode(llm, copy_bw, "async" if on else "sync")
+
+
+def _batch1_decode(llm, copy_bw: float, tag: str) -> None:
     from kiln.runtime import SamplingParams
 
     cfg = llm.engine.model_config
@@ -106,14 +119,20 @@ def batch1_decode(llm, copy_bw: float) -> None:
     tpot = (m["last_token_time"] - m["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
     wbytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     roof = wbytes / (copy_bw * 1e12)
-    RESULTS["b1_tpot_ms"] = tpot * 1e3
+    RESULTS[f"b1_{tag}_tpot_ms"] = tpot * 1e3
     RESULTS["b1_roofline_ms"] = roof * 1e3
-    RESULTS["b1_fraction_of_roofline"] = roof / tpot
-    log(f"[b1] TPOT {tpot*1e3:.2f} ms; roofline {roof*1e3:.2f} ms ({wbytes/1e9:.1f} GB weights); "
+    RESULTS[f"b1_{tag}_fraction_of_roofline"] = roof / tpot
+    log(f"[b1 {tag}] TPOT {tpot*1e3:.2f} ms; roofline {roof*1e3:.2f} ms ({wbytes/1e9:.1f} GB weights); "
         f"{roof/tpot*100:.1f}% of roofline")
 
 
 def profile_decode(llm) -> None:
+    for on in (False, True):
+        set_async(llm, on)
+        _profile_decode(llm, "async" if on else "sync")
+
+
+def _profile_decode(llm, tag: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from kiln.runtime import SamplingParams
@@ -126,11 +145,15 @@ def profile_decode(llm) -> None:
         wall = time.perf_counter() - t0
     ka = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in ka) / 1e6
-    RESULTS["profile_gpu_busy_fraction"] = gpu_total / wall
+    RESULTS[f"profile_{tag}_gpu_busy_fraction"] = gpu_total / wall
     top = sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:8]
-    RESULTS["profile_top"] = [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in top]
-    log(f"[profile] batch 64 x 24 tokens: wall {wall:.2f}s, GPU busy {gpu_total:.2f}s "
-        f"({gpu_total/wall*100:.0f}%); top GPU kernels (ms): {RESULTS['profile_top']}")
+    RESULTS[f"profile_{tag}_top"] = [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in top]
+    cpu_top = sorted((e for e in ka if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
+                     reverse=True)[:8]
+    RESULTS[f"profile_{tag}_cpu_top"] = [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2)) for e in cpu_top]
+    log(f"[profile {tag}] batch 64 x 24 tokens: wall {wall:.2f}s, GPU busy {gpu_total:.2f}s "
+        f"({gpu_total/wall*100:.0f}%); top GPU kernels (ms): {RESULTS[f'profile_{tag}_top']}; "
+        f"top CPU (ms): {RESULTS[f'profile_{tag}_cpu_top']}")
 
 
 def throughput(llm, n, il, ol, peer_n: int | None) -> None:
@@ -147,7 +170,7 @@ def throughput(llm, n, il, ol, peer_n: int | None) -> None:
     if peer_n:
         from kiln.runtime.bench import Workload
         sub = Workload(wl.prompts[:peer_n], wl.output_lens[:peer_n])
-        rk = run_kiln_offline(llm, sub)
+        rk = r if peer_n >= n else run_kiln_offline(llm, sub)
         hf = build_hf_peer(llm)
         try:
             rp = run_hf_continuous(hf, sub)
@@ -167,8 +190,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--stage", default="all", help="comma list: copy,equiv,b1,profile,tput,tput8b,peer1b")
+    ap.add_argument("--stage", default="all",
+                    help="comma list: copy,equiv,b1,profile,tput,tput8b,fixed8b,peer1b,peer8b")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--peer-n", type=int, default=128, help="requests of the 1000/1000 subset for peer8b")
     ns = ap.parse_args()
     stages = set(ns.stage.split(",")) if ns.stage != "all" else {"copy", "equiv", "b1", "profile", "tput"}
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -182,7 +207,15 @@ def main() -> int:
         throughput(small, 256, 128, 128, 256)
         del small
         torch.cuda.empty_cache()
-    if stages & {"b1", "profile", "tput", "tput8b"}:
+    if "peer8b" in stages:
+        # Kiln and transformers' continuous batching on the same subset of the 1000/1000
+        # workload; a smaller KV pool leaves room for the peer's copy of the weights.
+        llm = llama8b(max_num_seqs=ns.peer_n, max_num_batched_tokens=8192, max_model_len=4096,
+                      kv_cache_memory_fraction=0.45)
+        throughput(llm, ns.peer_n, 1000, 1000, ns.peer_n)
+        del llm
+        torch.cuda.empty_cache()
+    if stages & {"b1", "profile", "tput", "tput8b", "fixed8b"}:
         t0 = time.perf_counter()
         llm = llama8b(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
         log(f"[load] llama-3.1-8b dummy bf16 ready in {time.perf_counter()-t0:.0f}s, "
@@ -193,6 +226,9 @@ def main() -> int:
             profile_decode(llm)
         if "tput8b" in stages:
             throughput(llm, 1000, 1000, 1000, None)
+        if "fixed8b" in stages:
+            throughput(llm, 512, 128, 128, None)
+            throughput(llm, 256, 2048, 128, None)
         if "tput" in stages:
             if ns.quick:
                 throughput(llm, 256, 128, 128, None if ns.skip_peer else 64)

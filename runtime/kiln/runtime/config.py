@@ -31,6 +31,10 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     enable_cuda_graphs: bool = True
+    # Plan and launch step N+1 while step N runs on the device (sampled ids stay on the
+    # device; the host reads them one step later).  Requests with repetition / presence /
+    # frequency penalties make the steps they are in synchronous.
+    async_scheduling: bool = True
     # CPU intra-op threads for torch (None: torch's default, one per core).  On a loaded
     # machine 1 avoids OpenMP barrier thrash.  Env: KILN_CPU_THREADS.
     cpu_threads: int | None = None

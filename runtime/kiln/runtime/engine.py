@@ -17,10 +17,11 @@ from . import loader
 from .config import EngineArgs
 from .core.config import SchedulerConfig
 from .core.request import Request, RequestStatus
+from .core.sched_output import SchedulerOutput
 from .core.scheduler import Scheduler
 from .detokenizer import IncrementalDetokenizer
 from .model.config import ModelConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PendingStep, StepResult
 from .outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from .sampler import SamplingRow
 from .sampling_params import SamplingParams
@@ -123,7 +124,13 @@ class LLMEngine:
             num_kv_blocks=num_blocks,
             policy=args.scheduler_policy,
             enable_prefix_caching=args.enable_prefix_caching,
+            async_scheduling=args.async_scheduling,
         ))
+        # The step launched last, not yet read back: (its plan, its pending result).
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # Live requests whose sampling reads their own history (penalties): while any is
+        # present, steps run synchronously so the history holds no placeholder.
+        self._num_history_requests = 0
         self.eos_token_ids = set(cfg.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
@@ -234,6 +241,8 @@ class LLMEngine:
         for c in children:
             self.scheduler.add_request(c.request)
         self._parents[request_id] = parent
+        if params.has_penalties:
+            self._num_history_requests += 1
         for c in children:
             self._child_of[c.request.request_id] = (parent, c)
         return request_id
@@ -243,6 +252,8 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
+        if parent.params.has_penalties:
+            self._num_history_requests -= 1
         for c in parent.children:
             self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)
             self._child_of.pop(c.request.request_id, None)
@@ -261,8 +272,35 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return outputs of requests that progressed."""
+        """Run one scheduling step and return outputs of requests that progressed.
+
+        With asynchronous scheduling, this plans and launches step N, then reads back and
+        processes step N-1 (stop checks, detokenization) while step N runs on the device;
+        the outputs returned are step N-1's.
+        """
+        if not self.args.async_scheduling:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return []
+            return self._process(out, self.runner.execute(out, self._sampling_rows(out)))
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._num_history_requests:
+            outputs += self._drain()  # penalties read the previous token on the host
         out = self.scheduler.schedule()
+        launched = None
+        if out.scheduled:
+            launched = (out, self.runner.execute_async(out, self._sampling_rows(out)))
+        if self._in_flight is not None:
+            outputs += self._drain()
+        self._in_flight = launched
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        out, pending = self._in_flight
+        self._in_flight = None
+        return self._process(out, pending.result())
+
+    def _sampling_rows(self, out: SchedulerOutput) -> dict[str, SamplingRow]:
         now = time.monotonic()
         rows: dict[str, SamplingRow] = {}
         for sr in out.scheduled:
@@ -272,19 +310,30 @@ class LLMEngine:
                 if self.stat_logger and child.index == 0:
                     self.stat_logger.on_scheduled(now - parent.arrival_time)
             if sr.needs_sample:
-                rows[sr.request.request_id] = SamplingRow(parent.params, parent.prompt_token_ids,
-                                                          sr.request.output_token_ids, child.generator)
-        if not out.scheduled:
-            return []
-        res = self.runner.execute(out, rows)
+                req = sr.request
+                hist = req.output_token_ids
+                if parent.params.has_penalties and req.num_output_placeholders:
+                    hist = hist[: req.num_real_output_tokens]
+                rows[req.request_id] = SamplingRow(parent.params, parent.prompt_token_ids, hist, child.generator)
+        return rows
+
+    def _process(self, out: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
+        """Apply a finished step: scheduler update, stop checks, detokenization, outputs."""
         self.scheduler.update_from_output(out, res.sampled)
         self.num_steps += 1
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         num_gen = 0
         num_prompt = 0
-        for rid, tok in res.sampled.items():
-            parent, child = self._child_of[rid]
+        for sr in out.scheduled:
+            rid = sr.request.request_id
+            tok = res.sampled.get(rid)
+            pc = self._child_of.get(rid)
+            if tok is None or pc is None or pc[1].request is not sr.request:
+                continue  # no sample this step, or aborted (or its id reused) while in flight
+            parent, child = pc
+            if child.finish_reason is not None:  # stopped one step earlier: discard
+                continue
             num_gen += 1
             if child.first_token_time is None and child.index == 0:
                 num_prompt += len(parent.prompt_token_ids)
@@ -326,7 +375,8 @@ class LLMEngine:
             matched = child.detok.add_token(tok) if params.detokenize else None
             if matched is not None:
                 status, child.stop_reason = RequestStatus.FINISHED_STOPPED, matched
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            elif (req.num_real_output_tokens >= req.max_tokens
+                  or req.num_prompt_tokens + req.num_real_output_tokens >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             if params.detokenize and (status == RequestStatus.FINISHED_LENGTH or child.stop_reason is None
@@ -342,8 +392,10 @@ class LLMEngine:
             delta_lps, c.pending_logprobs = c.pending_logprobs, []
             # Running requests share the live token list (read-only view); a finished one gets a copy.
             toks = c.request.output_token_ids
+            if c.finish_reason or c.request.num_output_placeholders:
+                toks = toks[: c.request.num_real_output_tokens]
             comps.append(CompletionOutput(
-                index=c.index, text=c.detok.text, token_ids=list(toks) if c.finish_reason else toks,
+                index=c.index, text=c.detok.text, token_ids=toks,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, logprobs=c.logprobs,
                 delta_text=c.detok.take_delta(c.finish_reason is not None),
                 delta_token_ids=delta_ids, delta_logprobs=delta_lps,
@@ -359,7 +411,8 @@ class LLMEngine:
                              num_cached_tokens=cached, metrics=metrics)
 
     def _retire(self, p: _Parent, now: float) -> None:
-        self._parents.pop(p.request_id, None)
+        if self._parents.pop(p.request_id, None) is not None and p.params.has_penalties:
+            self._num_history_requests -= 1
         for c in p.children:
             self._child_of.pop(c.request.request_id, None)
         if self.stat_logger:

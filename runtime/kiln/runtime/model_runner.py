@@ -13,14 +13,16 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .attention import AttentionMetadata
 from .config import EngineArgs
+from .core.request import PLACEHOLDER_TOKEN_ID
 from .core.sched_output import SchedulerOutput
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
-from .sampler import SamplerOutput, SamplingRow, sample
+from .sampler import DeviceSample, SamplingRow, sample_on_device
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,43 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class StepResult:
-    """Output of one step: sampled tokens (and logprobs) keyed by request id."""
+    """Output of one step: sampled tokens (and logprobs) keyed by request id;
+    ``forward_seconds`` is host time from launch until the result was read (seconds)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     forward_seconds: float
+
+
+class PendingStep:
+    """A launched step whose sampled ids are on their way to the host.
+
+    ``result()`` waits for the device (a CUDA event recorded after the device -> pinned host
+    copies) and returns the :class:`StepResult`; later calls return the same object.
+    """
+
+    def __init__(self, request_ids: list[str], sample: DeviceSample | None, event, t0: float):
+        self._ids = request_ids
+        self._sample = sample
+        self._event = event
+        self._t0 = t0
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            sampled: dict[str, int] = {}
+            lps: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+            if self._sample is not None:
+                if self._event is not None:
+                    self._event.synchronize()
+                res = self._sample.materialize()
+                for rid, tok, lp in zip(self._ids, res.token_ids, res.logprobs):
+                    sampled[rid] = tok
+                    if lp is not None:
+                        lps[rid] = lp
+            self._result = StepResult(sampled, lps, time.perf_counter() - self._t0)
+            self._sample = None
+        return self._result
 
 
 class ModelRunner:
@@ -76,6 +110,10 @@ class ModelRunner:
         self.model.eval()
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The last launched step's sampled ids (int64 [S] on the device) and the row of each
+        # request in it: the next step's placeholder inputs are read from there.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(self, weights) -> None:
@@ -137,8 +175,30 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
 
     # -- one step ------------------------------------------------------------------------
+    def _h2d(self, data, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor without a stream synchronization (through pinned
+        memory on CUDA)."""
+        t = torch.tensor(data, dtype=dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+    def _placeholder_source(self, request_id: str) -> int:
+        try:
+            return self._last_rows[request_id]
+        except KeyError:
+            raise RuntimeError(f"request {request_id}: an input token is a placeholder but the previous step "
+                               "did not sample it (asynchronous scheduling out of order)") from None
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
+        """``input_ids[dst] = previous step's sampled ids[src]`` on the device."""
+        if dst:
+            input_ids.index_copy_(0, self._h2d(dst, torch.int64),
+                                  self._last_sampled.index_select(0, self._h2d(src, torch.int64)))
+
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled requests into model inputs.
+
+        Input tokens that are placeholders (asynchronous scheduling: sampled by the step
+        still in flight) are read from that step's sampled ids on the device.
 
         Returns:
             input_ids int64 [T], positions int64 [T], attention metadata, and the row
@@ -153,10 +213,18 @@ class ModelRunner:
         q_lens: list[int] = []
         logit_rows: list[int] = []
         tables: list[list[int]] = []
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
         for sr in out.scheduled:
             req = sr.request
             start, n = sr.num_computed_tokens, sr.num_new_tokens
             toks = req.token_slice(start, start + n)
+            if PLACEHOLDER_TOKEN_ID in toks:
+                src = self._placeholder_source(req.request_id)
+                for j, t in enumerate(toks):
+                    if t == PLACEHOLDER_TOKEN_ID:
+                        ph_dst.append(len(input_ids) + j)
+                        ph_src.append(src)
             input_ids.extend(toks)
             positions.extend(range(start, start + n))
             blocks = sr.block_ids
@@ -167,26 +235,28 @@ class ModelRunner:
             if sr.needs_sample:
                 logit_rows.append(len(input_ids) - 1)
         max_blocks = max(len(t) for t in tables)
-        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+        bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt[i, : len(t)] = t
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
         dev = self.device
+        bt_t = torch.from_numpy(bt)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=self._h2d(slots, torch.int64),
+            block_tables=bt_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bt_t,
+            seq_lens=self._h2d(seq_lens, torch.int32),
+            query_start_loc=self._h2d(qsl, torch.int32),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             seq_lens_list=seq_lens,
             query_lens_list=q_lens,
             block_size=bs,
         )
-        return (torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-                torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True), meta, logit_rows)
+        ids_t = self._h2d(input_ids, torch.int64)
+        self._fill_placeholders(ids_t, ph_dst, ph_src)
+        return ids_t, self._h2d(positions, torch.int64), meta, logit_rows
 
     # -- CUDA graphs for decode ---------------------------------------------------------------
     def capture_cuda_graphs(self, max_model_len: int) -> None:
@@ -206,9 +276,13 @@ class ModelRunner:
         self.g_block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.g_host = torch.zeros(4, max_bs, dtype=torch.int64, pin_memory=True)
-        self.g_host_table = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
-        self.g_host_table_np = self.g_host_table.numpy()
+        # Two sets of pinned staging buffers, used in turn: with asynchronous scheduling the
+        # host fills step N+1's inputs while step N's copies may still be queued.
+        self.g_host = [torch.zeros(4, max_bs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.g_host_table = [torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+                             for _ in range(2)]
+        self.g_host_table_np = [t.numpy() for t in self.g_host_table]
+        self.g_turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.g_outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -244,14 +318,24 @@ class ModelRunner:
             return None
         bs = next(b for b in self.graph_bs if b >= n)
         blk = self.block_size
-        host = self.g_host  # pinned [4, max_bs] int64: ids, positions, slots, seq_lens
-        table = self.g_host_table  # pinned [max_bs, max_blocks] int32
+        # Alternate staging buffers: at most one step is in flight, so the other set's
+        # copies (two graph steps ago) are complete.
+        turn = self.g_turn = 1 - self.g_turn
+        host = self.g_host[turn]  # pinned [4, max_bs] int64: ids, positions, slots, seq_lens
+        table = self.g_host_table[turn]  # pinned [max_bs, max_blocks] int32
         h_ids, h_pos, h_slot, h_len = host[0], host[1], host[2], host[3]
-        tnp = self.g_host_table_np
+        tnp = self.g_host_table_np[turn]
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
         for i, sr in enumerate(out.scheduled):
             p = sr.num_computed_tokens
             b = sr.block_ids
-            h_ids[i] = sr.request.token_at(p)
+            tok = sr.request.token_at(p)
+            if tok == PLACEHOLDER_TOKEN_ID:
+                ph_dst.append(i)
+                ph_src.append(self._placeholder_source(sr.request.request_id))
+                tok = 0
+            h_ids[i] = tok
             h_pos[i] = p
             h_slot[i] = b[p // blk] * blk + p % blk
             h_len[i] = p + 1
@@ -265,35 +349,50 @@ class ModelRunner:
         self.g_slots[:bs].copy_(h_slot[:bs], non_blocking=True)
         self.g_seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
         self.g_block_tables[:bs].copy_(table[:bs], non_blocking=True)
+        self._fill_placeholders(self.g_input_ids, ph_dst, ph_src)
         self.graphs[bs].replay()
         return self.g_outputs[bs][:n]
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> StepResult:
-        """Run the forward pass for a scheduled step and sample the requests that need a token.
+        """Run a step and wait for its sampled tokens (``execute_async(...).result()``)."""
+        return self.execute_async(out, rows).result()
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> PendingStep:
+        """Launch the forward pass for a scheduled step and sample the requests that need a
+        token, without waiting for the device: the sampled ids are copied to pinned host
+        memory behind an event, and stay on the device as the next step's placeholder
+        inputs.
 
         Args:
             out: the scheduler's decision for this step.
             rows: sampling settings per request id (only those with ``needs_sample``).
+        Returns:
+            A :class:`PendingStep`; its ``result()`` blocks until the tokens are on the host.
         """
         t0 = time.perf_counter()
         if not out.scheduled:
-            return StepResult({}, {}, 0.0)
+            return PendingStep([], None, None, t0)
         hidden = self._run_decode_graph(out)
         if hidden is not None:
             logit_rows = [i for i, sr in enumerate(out.scheduled) if sr.needs_sample]
         else:
             input_ids, positions, meta, logit_rows = self.prepare_inputs(out)
             hidden = self.model(input_ids, positions, meta)
-        sampled: dict[str, int] = {}
-        lps: dict[str, tuple[float, list[tuple[int, float]]]] = {}
-        if logit_rows:
-            idx = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            ids = [sr.request.request_id for sr in out.scheduled if sr.needs_sample]
-            res: SamplerOutput = sample(logits, [rows[i] for i in ids])
-            for rid, tok, lp in zip(ids, res.token_ids, res.logprobs):
-                sampled[rid] = tok
-                if lp is not None:
-                    lps[rid] = lp
-        return StepResult(sampled, lps, time.perf_counter() - t0)
+        ids = [sr.request.request_id for sr in out.scheduled if sr.needs_sample]
+        if not logit_rows:
+            self._last_sampled, self._last_rows = None, {}
+            return PendingStep([], None, None, t0)
+        if len(logit_rows) == hidden.shape[0]:  # every row samples (pure decode): no gather
+            h = hidden
+        else:
+            h = hidden.index_select(0, self._h2d(logit_rows, torch.int64))
+        ds = sample_on_device(self.model.compute_logits(h), [rows[i] for i in ids])
+        self._last_sampled = ds.token_ids
+        self._last_rows = {rid: j for j, rid in enumerate(ids)}
+        event = None
+        if ds.token_ids.is_cuda:
+            ds = ds.start_copy()
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(ids, ds, event, t0)

@@ -73,8 +73,102 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+@dataclass
+class DeviceSample:
+    """The sampler's result before any host read: everything stays on the logits' device
+    until :meth:`start_copy` moves it to pinned host memory without blocking, so the host
+    can plan the next step while the device finishes this one.
+
+    ``token_ids`` int64 [S]; for the ``lp_rows`` that asked for log-probabilities:
+    ``lp_sampled`` float32 [R] (the sampled token's), ``lp_top_vals`` float32 [R, kmax] and
+    ``lp_top_ids`` int64 [R, kmax] (top-k of the raw distribution; row r keeps its first
+    ``lp_k[r]`` entries).
+    """
+
+    token_ids: torch.Tensor
+    lp_rows: list[int]
+    lp_k: list[int]
+    lp_sampled: torch.Tensor | None = None
+    lp_top_vals: torch.Tensor | None = None
+    lp_top_ids: torch.Tensor | None = None
+
+    def start_copy(self) -> "DeviceSample":
+        """Start device -> pinned host copies on the current stream (no wait on CUDA; the
+        caller records an event after this and waits on it before :meth:`materialize`)."""
+        def host(t):
+            if t is None or not t.is_cuda:
+                return t
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            return h
+        return DeviceSample(host(self.token_ids), self.lp_rows, self.lp_k, host(self.lp_sampled),
+                            host(self.lp_top_vals), host(self.lp_top_ids))
+
+    def materialize(self) -> SamplerOutput:
+        """Host lists (synchronizes with the device when the tensors are still there)."""
+        token_ids = self.token_ids.tolist()
+        lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(token_ids)
+        if self.lp_rows:
+            sampled = self.lp_sampled.tolist()
+            vals = self.lp_top_vals.tolist() if self.lp_top_vals is not None else None
+            ids = self.lp_top_ids.tolist() if self.lp_top_ids is not None else None
+            for r, (i, k) in enumerate(zip(self.lp_rows, self.lp_k)):
+                top = list(zip(ids[r][:k], vals[r][:k])) if k and ids is not None else []
+                lps[i] = (sampled[r], top)
+        return SamplerOutput(token_ids, lps)
+
+
+def _index(rows: list[int], dev: torch.device) -> torch.Tensor:
+    """int64 index tensor on ``dev`` through pinned memory (no stream synchronization)."""
+    t = torch.tensor(rows, dtype=torch.int64)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+    """Pick one token per row without reading anything back to the host.
+
+    Args:
+        logits: float32 [S, vocab] (modified in place).
+        rows: S sampling rows, aligned with ``logits``.
+    Returns:
+        A :class:`DeviceSample` (token ids int64 [S] on the logits' device).
+    """
+    S = logits.shape[0]
+    dev = logits.device
+    lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if lp_rows else None
+    if any(r.params.has_penalties for r in rows):
+        logits = _apply_penalties(logits, rows)
+
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        chosen = logits.argmax(dim=-1)
+    else:
+        chosen = torch.empty(S, dtype=torch.int64, device=dev)
+        g_idx = [i for i in range(S) if greedy[i]]
+        if g_idx:
+            gi = _index(g_idx, dev)
+            chosen[gi] = logits[gi].argmax(dim=-1)
+        for i in range(S):
+            if greedy[i]:
+                continue
+            probs = _filter(logits[i], rows[i].params)
+            q = torch.empty_like(probs).exponential_(generator=rows[i].generator)
+            chosen[i] = (probs / q).argmax()
+
+    out = DeviceSample(chosen, lp_rows, [rows[i].params.logprobs or 0 for i in lp_rows])
+    if lp_rows:
+        idx = _index(lp_rows, dev)
+        sel = raw_logprobs.index_select(0, idx)  # [R, V]
+        out.lp_sampled = sel.gather(1, chosen.index_select(0, idx).unsqueeze(1)).squeeze(1)
+        kmax = max(out.lp_k)
+        if kmax:
+            out.lp_top_vals, out.lp_top_ids = torch.topk(sel, kmax, dim=-1)
+    return out
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """Pick one token per row.
+    """Pick one token per row and read the choices back (synchronizes with the device).
 
     Args:
         logits: float32 [S, vocab] (modified in place).
@@ -82,38 +176,4 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     Returns:
         SamplerOutput with S token ids (and log-probabilities where asked).
     """
-    S = logits.shape[0]
-    want_lp = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-    if any(r.params.has_penalties for r in rows):
-        logits = _apply_penalties(logits, rows)
-
-    greedy = [r.params.greedy for r in rows]
-    chosen = torch.empty(S, dtype=torch.int64, device=logits.device)
-    g_idx = [i for i in range(S) if greedy[i]]
-    if len(g_idx) == S:
-        chosen = logits.argmax(dim=-1)
-    elif g_idx:
-        gi = torch.tensor(g_idx, device=logits.device)
-        chosen[gi] = logits[gi].argmax(dim=-1)
-    for i in range(S):
-        if greedy[i]:
-            continue
-        probs = _filter(logits[i], rows[i].params)
-        q = torch.empty_like(probs).exponential_(generator=rows[i].generator)
-        chosen[i] = (probs / q).argmax()
-
-    token_ids = chosen.tolist()
-    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * S
-    if raw_logprobs is not None:
-        for i in range(S):
-            if not want_lp[i]:
-                continue
-            k = rows[i].params.logprobs or 0
-            sampled = float(raw_logprobs[i, token_ids[i]])
-            top: list[tuple[int, float]] = []
-            if k:
-                vals, idx = torch.topk(raw_logprobs[i], k)
-                top = list(zip(idx.tolist(), vals.tolist()))
-            lps[i] = (sampled, top)
-    return SamplerOutput(token_ids, lps)
+    return sample_on_device(logits, rows).materialize()

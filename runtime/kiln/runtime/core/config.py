@@ -35,6 +35,10 @@ class SchedulerConfig:
     num_kv_blocks: int = field(kw_only=True)  # KV pool size (blocks); required
     policy: str = "max_utilization"  # one of POLICIES
     enable_prefix_caching: bool = True  # reuse hash-matched full blocks across requests
+    # Asynchronous scheduling: ``schedule`` advances ``num_computed_tokens`` and appends a
+    # placeholder for each token to sample, so the next step can be planned while this one
+    # runs on the device; ``update_from_output`` fills the placeholders in.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):

@@ -8,6 +8,11 @@ import time
 from dataclasses import dataclass, field
 
 
+# Stands in ``output_token_ids`` for a token that a step in flight on the device will
+# sample (asynchronous scheduling); replaced by the real id when that step's output is read.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request.  Order means something: every status greater than
     ``PREEMPTED`` is finished (vLLM V1 uses the same trick)."""
@@ -56,6 +61,9 @@ class Request:
     num_cached_tokens: int = 0
     # Number of times this request was preempted (recompute).
     num_preemptions: int = 0
+    # Trailing entries of ``output_token_ids`` that are placeholders for tokens still being
+    # sampled on the device (asynchronous scheduling; at most 2).
+    num_output_placeholders: int = 0
     # Monotonic time of the first scheduling (arrival -> this is the queue time); None
     # while still queued for the first time.
     first_scheduled_time: float | None = None
@@ -73,6 +81,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_real_output_tokens(self) -> int:
+        """Generated tokens whose ids are known on the host (placeholders excluded)."""
+        return len(self.output_token_ids) - self.num_output_placeholders
 
     @property
     def num_tokens(self) -> int:
@@ -107,3 +120,26 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """Reserve the next output position for a token sampled by a step in flight."""
+        self.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.num_output_placeholders += 1
+
+    def fill_placeholder(self, pos: int, token_id: int) -> None:
+        """Put the sampled ``token_id`` at absolute position ``pos`` (tokens), which must
+        hold a placeholder.  Raises ValueError otherwise."""
+        i = pos - len(self.prompt_token_ids)
+        if not 0 <= i < len(self.output_token_ids) or self.output_token_ids[i] != PLACEHOLDER_TOKEN_ID:
+            raise ValueError(f"request {self.request_id}: no placeholder at position {pos}")
+        self.output_token_ids[i] = token_id
+        self.num_output_placeholders -= 1
+
+    def drop_placeholders(self) -> None:
+        """Remove unresolved trailing placeholders (the request finished; their steps'
+        tokens are discarded)."""
+        while self.num_output_placeholders and self.output_token_ids \
+                and self.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            self.output_token_ids.pop()
+            self.num_output_placeholders -= 1
+        self.num_output_placeholders = 0

@@ -20,6 +20,14 @@ requests never need preemption.
 
 Stop conditions are not decided here: after ``update_from_output`` the engine calls
 ``finish_request``.  Plain Python, no torch import.
+
+Asynchronous scheduling (``async_scheduling``; vLLM V1's async scheduling, SGLang's overlap
+scheduler): ``schedule`` itself advances ``num_computed_tokens`` and appends a placeholder
+token for every request that samples, so step N+1 can be planned and launched while step N
+still runs on the device (its decode inputs are read from step N's sampled ids on the
+device).  ``update_from_output`` later fills the placeholders and registers full blocks in
+the prefix cache.  A request is not scheduled past ``max_tokens``; a request that stops on
+EOS or a stop string computes one discarded extra token.
 """
 
 from __future__ import annotations
@@ -162,6 +170,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        request.drop_placeholders()
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -199,6 +208,11 @@ class Scheduler:
         return kv.num_free_blocks - num_hit_evictable >= need + self._future_blocks_of_running()
 
     def _record(self, out: SchedulerOutput, sr: ScheduledRequest) -> None:
+        if self.config.async_scheduling:
+            req = sr.request
+            req.num_computed_tokens += sr.num_new_tokens
+            if sr.needs_sample:
+                req.append_placeholder()
         out.scheduled.append(sr)
         out.num_batched_tokens += sr.num_new_tokens
         if sr.is_decode:
@@ -224,7 +238,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (the engine did not finish it yet)
+            if num_new <= 0 or req.num_output_tokens >= req.max_tokens:
+                # nothing to compute: the engine did not finish it yet (or, asynchronous,
+                # its last token is still being sampled)
                 i += 1
                 continue
             blocked = False
@@ -284,6 +300,9 @@ class Scheduler:
             KeyError: if a request that needs a sample has none in ``sampled_token_ids``.
         """
         kv = self.kv_cache_manager
+        if self.config.async_scheduling:
+            self._update_async(output, sampled_token_ids)
+            return
         for sr in output.scheduled:
             req = sr.request
             if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
@@ -302,3 +321,25 @@ class Scheduler:
                         "but no sampled token was given"
                     ) from None
                 req.append_output_token(token)
+
+    def _update_async(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+        """``update_from_output`` under asynchronous scheduling: fill each sampled request's
+        placeholder (also when it was preempted since: its outputs are kept) and register
+        the blocks the step filled.  Finished or unknown requests are skipped."""
+        kv = self.kv_cache_manager
+        for sr in output.scheduled:
+            req = sr.request
+            if self.requests.get(req.request_id) is not req:  # finished (e.g. aborted) since
+                continue
+            if sr.needs_sample:
+                try:
+                    token = sampled_token_ids[req.request_id]
+                except KeyError:
+                    raise KeyError(
+                        f"update_from_output: request {req.request_id} finished its tokens this step "
+                        "but no sampled token was given"
+                    ) from None
+                req.fill_placeholder(sr.num_tokens, token)
+            end = sr.num_computed_tokens + sr.num_new_tokens
+            if req.status == RequestStatus.RUNNING and req.num_computed_tokens >= end:
+                kv.cache_blocks(req, end)
