@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 # --- engine layout on disk ---------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 1  # bump when the on-disk layout changes: every engine hash changes
+ENGINE_FORMAT_VERSION = 2  # bump when the on-disk layout changes: every engine hash changes (2: int4 format 2)
 MANIFEST_FILENAME = "manifest.json"  # format version, engine hash, model config, quantization...
 COMPLETE_MARKER = ".kiln-complete"  # written last, inside the temp dir, before the atomic rename
 DEFAULT_CACHE_ROOT = "/engines"  # where the operator mounts the engine cache volume

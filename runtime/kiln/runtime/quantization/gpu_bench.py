@@ -2,9 +2,11 @@
 
 ``python -m kiln.runtime.quantization.gpu_bench [--skip-decode] --json OUT``
 
-1. W4A16 GEMM (``kiln.kernels.w4a16``) vs bf16 cuBLAS (``x @ W.T``) at M = 1..16 on the
-   8B projection shapes.  Both timed inside one CUDA graph that cycles through enough weight
-   copies (>= 512 MB) that nothing is served from the 60 MB L2; time per GEMM.
+1. W4A16 GEMM (``kiln.kernels.w4a16``) vs bf16 cuBLAS (``x @ W.T``) at M = 1, 2, 4, 8, 16 on
+   the 8B projection shapes: a launch-config sweep per shape and M (compiled first in worker
+   processes; fills ``w4a16.TUNED`` for the decode part), a check of the winner against the
+   reference, then both timed inside one CUDA graph that cycles through enough weight copies
+   (>= 512 MB) that nothing is served from the 60 MB L2; time per GEMM.
 2. FP8 GEMM (``torch._scaled_mm`` rowwise) vs bf16 at M >= 1024, alone and with the dynamic
    per-token activation quantization (what ``Fp8LinearMethod.apply`` runs).
 3. Batch-1 decode of the whole 8B model (``builtin:llama-3.1-8b``, dummy weights, CUDA
@@ -46,43 +48,94 @@ def graph_time(fns, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps / len(fns)
 
 
-def bench_w4a16(ms=(1, 2, 4, 8, 16)) -> list[dict]:
-    from kiln.kernels.w4a16 import TUNED, w4a16_gemm
+def _w4a16_space(M: int) -> list[dict]:
+    """Launch configs swept for one M bucket (without SPLIT_K)."""
+    out = []
+    if M <= 4:
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for st in (2, 4):
+                    if M == 4 and bn == 128 and bk == 128:
+                        continue  # spills
+                    out.append({"KERNEL": "gemv", "BLOCK_M": M, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4,
+                                "num_stages": st})
+    if M >= 4:
+        for bn, w in ((32, 4), (64, 4), (128, 4), (128, 8)):
+            for st in (2, 4):
+                out.append({"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w,
+                            "num_stages": st})
+    return out
+
+
+def _warm(jobs) -> int:
+    """Compile (populate Triton's cache) in a worker process: one call per (N, K, M, config)."""
+    from kiln.kernels.w4a16 import w4a16_gemm
+
+    ok = 0
+    for N, K, M, cfg in jobs:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        qw = torch.zeros(K // 8, N, dtype=torch.int32, device="cuda")
+        sc = torch.ones(K // 128, N, dtype=torch.float16, device="cuda")
+        z = torch.zeros(K // 128, N, dtype=torch.uint8, device="cuda")
+        try:
+            w4a16_gemm(x, qw, sc, z, cfg)
+            ok += 1
+        except Exception:  # noqa: BLE001 - out of resources etc.: the sweep skips it
+            pass
+    torch.cuda.synchronize()
+    return ok
+
+
+def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -> list[dict]:
+    """Sweep the launch configs per shape and M bucket (filling ``TUNED``), check the winner
+    against the reference, then time it against bf16 cuBLAS."""
+    import multiprocessing as mp
+
+    from kiln.kernels.w4a16 import TUNED, w4a16_gemm, w4a16_ref
 
     from . import int4
 
+    # the compiled variant depends on M's bucket, the config and split == 1 or not, not on the shape
+    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp)) for M in ms for cfg in _w4a16_space(M) for sp in (1, 2)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        pool.map(_warm, [jobs[i::procs] for i in range(procs)])
+    print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
     rows = []
     for name, (N, K) in SHAPES.items():
-        copies = max(2, (512 << 20) // (N * K * 2))
-        w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(max(2, (512 << 20) // (N * K * 2)))]
         s, z = int4.quantize_params(w[0].float(), 128)
         packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
         q = [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
-        best = None
-        x16 = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
-        for bn in (64, 128):
-            for split in (1, 2, 4, 8):
-                for warps, stages in ((4, 3), (8, 3)):
-                    cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": warps,
-                           "num_stages": stages}
-                    try:
-                        t = graph_time([lambda p=p, c=cfg: w4a16_gemm(x16, p["qweight"], p["scales"], p["qzeros"], c)
-                                        for p in q[:8]], reps=5)
-                    except Exception as e:  # noqa: BLE001 - resources exceeded etc.
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-        TUNED[(N, K, 16)] = best[1]
-        print(json.dumps({"shape": name, "tuned_M16": best[1], "us": best[0] * 1e6}), flush=True)
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            best = None
+            for cfg in _w4a16_space(M):
+                for sp in splits:
+                    c = dict(cfg, SPLIT_K=sp)
+                    try:
+                        t = graph_time([lambda p=p, c=c: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], c)
+                                        for p in q[:16]], reps=5)
+                    except Exception:  # noqa: BLE001 - resources exceeded etc.
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, c)
+            TUNED[(N, K, M)] = best[1]
+            ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
+            errs = []
+            for _ in range(3):  # repeated: the split-K counters must come back to zero
+                y = w4a16_gemm(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
+                errs.append(float((y - ref).norm() / ref.norm()))
             t_bf16 = graph_time([lambda wi=wi: x @ wi.t() for wi in w])
             t_w4 = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"]) for p in q])
+            nbytes = N * K / 2 + N * K // 128 * 3
             rows.append({"shape": name, "N": N, "K": K, "M": M, "bf16_us": t_bf16 * 1e6, "w4a16_us": t_w4 * 1e6,
-                         "speedup": t_bf16 / t_w4, "w4a16_GBps": (N * K / 2 + N * K // 128 * 5) / t_w4 / 1e9,
-                         "config": TUNED[(N, K, 16)]})
+                         "speedup": t_bf16 / t_w4, "w4a16_GBps": nbytes / t_w4 / 1e9, "max_rel_err": max(errs),
+                         "config": best[1]})
             print(json.dumps(rows[-1]), flush=True)
         del w, q
+    print("TUNED = " + json.dumps({f"{k[0]},{k[1]},{k[2]}": v for k, v in TUNED.items()}), flush=True)
     return rows
 
 
@@ -183,6 +236,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode")
+    p.add_argument("--decode-methods", default="bf16,int4,fp8")
     a = p.parse_args()
     only = set(a.only.split(","))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -191,7 +245,7 @@ def main() -> None:
     if "fp8" in only:
         res["fp8"] = bench_fp8()
     if "decode" in only and not a.skip_decode:
-        res["decode"] = bench_decode()
+        res["decode"] = bench_decode(tuple(a.decode_methods.split(",")))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
