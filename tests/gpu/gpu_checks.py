@@ -15,6 +15,7 @@ CI).  Prints a summary table last; writes JSON to $OUT when set.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -156,15 +157,78 @@ def _profile_decode(llm, tag: str) -> None:
         f"top CPU (ms): {RESULTS[f'profile_{tag}_cpu_top']}")
 
 
-def throughput(llm, n, il, ol, peer_n: int | None) -> None:
+def profile_steps(llm, batch: int, prompt_len: int, steps: int = 12) -> None:
+    """Kernel breakdown of decode steps at ``batch`` sequences of ``prompt_len`` context:
+    GPU time per kernel per step (us), and the GPU-busy fraction of the decode phase."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from kiln.runtime import SamplingParams
+
+    eng = llm.engine
+    prompts = [[(1000 + i * 7 + j) % eng.model_config.vocab_size for j in range(prompt_len)] for i in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
+    for p in prompts:
+        eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True,
+                                                detokenize=False))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()) \
+            or eng.scheduler.num_waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while eng.has_unfinished_requests():
+        eng.step()
+    ka = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in ka) / 1e6
+    rows = sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:14]
+    table = [(e.key[:50], e.count // steps, round(e.self_device_time_total / steps, 1)) for e in rows]
+    key = f"steps_b{batch}_ctx{prompt_len}"
+    RESULTS[key] = {"step_ms": wall / steps * 1e3, "gpu_ms_per_step": gpu_total / steps * 1e3,
+                    "gpu_busy": gpu_total / wall, "kernels_us_per_step": table}
+    log(f"[steps] batch {batch} ctx {prompt_len}: {wall/steps*1e3:.2f} ms/step, GPU {gpu_total/steps*1e3:.2f} ms/step "
+        f"({gpu_total/wall*100:.0f}% busy); per step (name, launches, us): {table}")
+    del sp
+
+
+def fp8_throughput(max_num_seqs: int) -> None:
+    """1000 x 1000/1000 with the 8B shape's weights quantized to FP8 (W8A8, per-channel /
+    per-token scales, ``torch._scaled_mm``) right after the random init."""
+    from kiln.runtime.model_runner import ModelRunner
+    from kiln.runtime.quantization.gpu_bench import _quantize_dummy
+
+    orig = ModelRunner.init_dummy_weights
+
+    def patched(self, seed=0):
+        orig(self, seed)
+        _quantize_dummy(self.model, "fp8")
+
+    ModelRunner.init_dummy_weights = patched
+    try:
+        llm = llama8b(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
+    finally:
+        ModelRunner.init_dummy_weights = orig
+    log(f"[load] llama-3.1-8b dummy fp8: {llm.engine.runner.num_kv_blocks} KV blocks")
+    throughput(llm, 1000, 1000, 1000, None, tag="fp8_")
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def throughput(llm, n, il, ol, peer_n: int | None, tag: str = "") -> None:
     from kiln.runtime.bench import build_hf_peer, make_workload, run_hf_continuous, run_kiln_offline
 
     cfg = llm.engine.model_config
     wl = make_workload(n, il, ol, 0.0, cfg.vocab_size, seed=0)
     r = run_kiln_offline(llm, wl)
-    key = f"tput_{n}x{il}/{ol}"
+    key = f"{tag}tput_{n}x{il}/{ol}"
     RESULTS[key] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-    log(f"[tput] kiln {n} x {il}/{ol}: {r['output_tok_s']:.0f} out tok/s, {r['requests_s']:.2f} req/s, "
+    log(f"[tput] {tag}kiln {n} x {il}/{ol}: {r['output_tok_s']:.0f} out tok/s, {r['requests_s']:.2f} req/s, "
         f"TTFT p50 {r['ttft_p50_s']*1e3:.0f} ms p99 {r['ttft_p99_s']*1e3:.0f} ms, "
         f"TPOT p50 {r['tpot_p50_s']*1e3:.1f} ms p99 {r['tpot_p99_s']*1e3:.1f} ms, wall {r['wall_s']:.1f}s")
     if peer_n:
@@ -207,15 +271,7 @@ def main() -> int:
         throughput(small, 256, 128, 128, 256)
         del small
         torch.cuda.empty_cache()
-    if "peer8b" in stages:
-        # Kiln and transformers' continuous batching on the same subset of the 1000/1000
-        # workload; a smaller KV pool leaves room for the peer's copy of the weights.
-        llm = llama8b(max_num_seqs=ns.peer_n, max_num_batched_tokens=8192, max_model_len=4096,
-                      kv_cache_memory_fraction=0.45)
-        throughput(llm, ns.peer_n, 1000, 1000, ns.peer_n)
-        del llm
-        torch.cuda.empty_cache()
-    if stages & {"b1", "profile", "tput", "tput8b", "fixed8b"}:
+    if stages & {"b1", "profile", "steps", "tput", "tput8b", "fixed8b"}:
         t0 = time.perf_counter()
         llm = llama8b(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
         log(f"[load] llama-3.1-8b dummy bf16 ready in {time.perf_counter()-t0:.0f}s, "
@@ -224,6 +280,9 @@ def main() -> int:
             batch1_decode(llm, bw)
         if "profile" in stages:
             profile_decode(llm)
+        if "steps" in stages:
+            profile_steps(llm, 1, 128)
+            profile_steps(llm, 256, 1500)
         if "tput8b" in stages:
             throughput(llm, 1000, 1000, 1000, None)
         if "fixed8b" in stages:
@@ -236,6 +295,19 @@ def main() -> int:
                 throughput(llm, 1000, 1000, 1000, None if ns.skip_peer else 200)
                 throughput(llm, 512, 128, 128, None)
                 throughput(llm, 256, 2048, 128, None)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "fp8tput" in stages:
+        fp8_throughput(ns.max_num_seqs)
+    if "peer8b" in stages:
+        # Kiln and transformers' continuous batching on the same subset of the 1000/1000
+        # workload; a smaller KV pool leaves room for the peer's copy of the weights.
+        llm = llama8b(max_num_seqs=ns.peer_n, max_num_batched_tokens=8192, max_model_len=4096,
+                      kv_cache_memory_fraction=0.45)
+        throughput(llm, ns.peer_n, 1000, 1000, ns.peer_n)
+        del llm
+        torch.cuda.empty_cache()
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_results.json"), "w") as f:

@@ -175,11 +175,12 @@ def _quantize_dummy(model, method: str, group_size: int = 128) -> None:
     """Quantize a dummy-weight model in place on the GPU (speed only: RTN for int4)."""
     from . import int4
     from .base import decoder_linears
+    from .base import QuantSettings
     from .fp8 import Fp8Handler
 
     for layer in model.model.layers:
-        if method == "fp8":
-            Fp8Handler(None).quantize_layer(layer, "", None)
+        if method == "fp8":  # round to nearest (no calibration statistics for random weights)
+            Fp8Handler(QuantSettings(method="fp8", extra={"fp8_weights": "rtn"})).quantize_layer(layer, "", None)
             continue
         for _, mod in decoder_linears(layer):
             w = mod.weight.data.float()
