@@ -60,8 +60,10 @@ def greedy_equivalence() -> None:
     from kiln.runtime.bench import build_hf_peer, make_workload
 
     # Llama-3.2-1B's shape (GQA 32/8, llama3 RoPE scaling, tied embeddings), 4 layers, fp32.
+    # A 64-token step budget chunks the prompts, so decodes share steps with prefill chunks
+    # (mixed batches: decode kernel + prefill kernel) as well as running alone (CUDA graphs).
     llm = LLM(model="builtin:llama-3.2-1b", load_format="dummy", dtype="float32", max_num_seqs=16,
-              num_kv_blocks=2048, max_model_len=1024)
+              num_kv_blocks=2048, max_model_len=1024, max_num_batched_tokens=64)
     cfg = llm.engine.model_config
     # Stronger random weights than 0.02 so logits are peaked (fewer near-ties).
     g = torch.Generator(device="cpu").manual_seed(1)

@@ -19,7 +19,7 @@ import torch
 from .attention import AttentionMetadata
 from .config import EngineArgs
 from .core.request import PLACEHOLDER_TOKEN_ID
-from .core.sched_output import SchedulerOutput
+from .core.sched_output import ScheduledRequest, SchedulerOutput
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .sampler import DeviceSample, SamplingRow, sample_on_device
@@ -194,16 +194,20 @@ class ModelRunner:
             input_ids.index_copy_(0, self._h2d(dst, torch.int64),
                                   self._last_sampled.index_select(0, self._h2d(src, torch.int64)))
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
+                                                           list[ScheduledRequest]]:
         """Flatten the scheduled requests into model inputs.
 
         Input tokens that are placeholders (asynchronous scheduling: sampled by the step
         still in flight) are read from that step's sampled ids on the device.
 
+        Decode rows (one new token) are placed first so attention can run them through the
+        decode kernel and the rest through the prefill kernel.
+
         Returns:
-            input_ids int64 [T], positions int64 [T], attention metadata, and the row
-            indices (into [T]) whose hidden states are projected to logits (the last new
-            token of each request that samples this step).
+            input_ids int64 [T], positions int64 [T], attention metadata, the row indices
+            (into [T]) whose hidden states are projected to logits (the last new token of
+            each request that samples this step), and the scheduled requests in row order.
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -215,7 +219,11 @@ class ModelRunner:
         tables: list[list[int]] = []
         ph_dst: list[int] = []
         ph_src: list[int] = []
-        for sr in out.scheduled:
+        decodes = [sr for sr in out.scheduled if sr.num_new_tokens == 1]
+        num_decodes = len(decodes)
+        ordered = out.scheduled if num_decodes in (0, len(out.scheduled)) else \
+            decodes + [sr for sr in out.scheduled if sr.num_new_tokens != 1]
+        for sr in ordered:
             req = sr.request
             start, n = sr.num_computed_tokens, sr.num_new_tokens
             toks = req.token_slice(start, start + n)
@@ -243,6 +251,7 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         dev = self.device
         bt_t = torch.from_numpy(bt)
+        split = 0 < num_decodes < len(ordered)
         meta = AttentionMetadata(
             slot_mapping=self._h2d(slots, torch.int64),
             block_tables=bt_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bt_t,
@@ -253,10 +262,14 @@ class ModelRunner:
             seq_lens_list=seq_lens,
             query_lens_list=q_lens,
             block_size=bs,
+            num_decodes=num_decodes if split else 0,
+            prefill_query_start_loc=self._h2d([x - num_decodes for x in qsl[num_decodes:]], torch.int32)
+            if split and dev.type == "cuda" else None,
+            max_decode_seq_len=max(seq_lens[:num_decodes]) if split else 0,
         )
         ids_t = self._h2d(input_ids, torch.int64)
         self._fill_placeholders(ids_t, ph_dst, ph_src)
-        return ids_t, self._h2d(positions, torch.int64), meta, logit_rows
+        return ids_t, self._h2d(positions, torch.int64), meta, logit_rows, ordered
 
     # -- CUDA graphs for decode ---------------------------------------------------------------
     def capture_cuda_graphs(self, max_model_len: int) -> None:
@@ -375,11 +388,12 @@ class ModelRunner:
             return PendingStep([], None, None, t0)
         hidden = self._run_decode_graph(out)
         if hidden is not None:
-            logit_rows = [i for i, sr in enumerate(out.scheduled) if sr.needs_sample]
+            ordered = out.scheduled
+            logit_rows = [i for i, sr in enumerate(ordered) if sr.needs_sample]
         else:
-            input_ids, positions, meta, logit_rows = self.prepare_inputs(out)
+            input_ids, positions, meta, logit_rows, ordered = self.prepare_inputs(out)
             hidden = self.model(input_ids, positions, meta)
-        ids = [sr.request.request_id for sr in out.scheduled if sr.needs_sample]
+        ids = [sr.request.request_id for sr in ordered if sr.needs_sample]
         if not logit_rows:
             self._last_sampled, self._last_rows = None, {}
             return PendingStep([], None, None, t0)

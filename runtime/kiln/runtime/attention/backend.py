@@ -32,10 +32,29 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_s
     torch_backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
-    """Causal attention over the paged cache; see ``torch_backend.paged_attention``."""
-    k = _kernels() if q.is_cuda else None
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
+                    use_kernels: bool | None = None):
+    """Causal attention over the paged cache; see ``torch_backend.paged_attention``.
+
+    ``use_kernels``: None picks the Triton kernels for CUDA tensors and the torch path
+    otherwise; True forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``).
+    """
+    k = _kernels() if (q.is_cuda if use_kernels is None else use_kernels) else None
     if k is not None:
+        nd = meta.num_decodes
+        if 0 < nd < meta.num_seqs and meta.prefill_query_start_loc is not None:
+            # A mixed batch: decodes through the decode kernel (query heads of a KV head in
+            # one program, split-K), prefill chunks through the prefill kernel, so decode
+            # rows do not pad the prefill kernel's query blocks (vLLM splits batches alike).
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            k.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                              meta.query_start_loc[: nd + 1], scale, k_scale, v_scale, out=out[:nd],
+                              max_query_len=1, max_seq_len=meta.max_decode_seq_len or None)
+            k.paged_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
+                              meta.prefill_query_start_loc, scale, k_scale, v_scale, out=out[nd:],
+                              max_query_len=meta.max_query_len,
+                              max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None)
+            return out
         return k.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                  scale, k_scale, v_scale, max_query_len=meta.max_query_len,
                                  max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None)

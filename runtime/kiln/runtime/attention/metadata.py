@@ -35,6 +35,14 @@ class AttentionMetadata:
     query_lens_list: list[int]
     # Tokens per KV block.
     block_size: int
+    # Mixed batches: the first ``num_decodes`` sequences have exactly one query token (the
+    # model runner orders decodes first) and run through the decode kernel, the rest
+    # through the prefill kernel with ``prefill_query_start_loc`` (int32 [num_seqs -
+    # num_decodes + 1], query_start_loc[num_decodes:] - num_decodes).  0: one launch.
+    num_decodes: int = 0
+    prefill_query_start_loc: torch.Tensor | None = None
+    # Largest context among the decode sequences (tokens; sizes the decode split-K).
+    max_decode_seq_len: int = 0
 
     @property
     def num_seqs(self) -> int:

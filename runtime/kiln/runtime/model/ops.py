@@ -21,6 +21,31 @@ def _kernels():
     return k if all(hasattr(k, n) for n in needed) else None
 
 
+@functools.lru_cache(maxsize=1)
+def _gemv():
+    """The ``kiln.kernels.gemv`` module (small-M GEMV), or None when it cannot be imported."""
+    try:
+        import kiln.kernels.gemv as g  # noqa: PLC0415
+    except Exception:  # pragma: no cover - kernels missing or triton broken
+        return None
+    return g
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` [T, K] @ ``weight`` [N, K]^T (+ ``bias``), in ``out_dtype`` (default ``x.dtype``).
+
+    On CUDA, without bias, for T <= 8 and the (N, K, T) where the H200 sweep found
+    ``kiln.kernels.gemv`` faster than cuBLAS (its ``TUNED`` table; batch-1 decode), the Triton
+    GEMV; otherwise ``F.linear`` (the CPU path is always ``F.linear``)."""
+    if (x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] <= 8 and x.dtype == weight.dtype
+            and weight.stride(1) == 1 and _gemv() is not None
+            and _gemv().use_gemv(x.shape[0], weight.shape[0], weight.shape[1])):
+        return _gemv().gemv(x, weight, out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when ``t`` lives on CUDA and the Triton kernels are importable."""
     return t.is_cuda and _kernels() is not None
