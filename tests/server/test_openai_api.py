@@ -144,3 +144,35 @@ def test_non_streaming_disconnect_aborts(server):
         time.sleep(0.5)
     assert server.metric("kiln_num_requests_running") == 0
     assert server.metric("kiln_kv_cache_usage_ratio") == 0.0
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    """Tokens that add no text yet (parts of an emoji / CJK character, text held back by a
+    stop string) still stream their logprobs: streaming returns as many as non-streaming."""
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="Emoji list: 😀😃😄😁 日本語のテキスト:",
+              max_tokens=24, temperature=0, logprobs=1, stop=["Paris"])
+    full = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert len(streamed) == len(full.logprobs.tokens) > 0
+    assert "".join(c.choices[0].text for c in chunks) == full.text
+
+
+def test_stream_n_sends_one_finish_per_choice(client):
+    for stream_chat in (False, True):
+        if stream_chat:
+            chunks = list(client.chat.completions.create(
+                model="builtin:smollm2-135m-instruct", n=4, seed=0, temperature=1.0, max_tokens=30, stop=["\n", "."],
+                stream=True, messages=[{"role": "user", "content": "Say yes or no."}]))
+        else:
+            chunks = list(client.completions.create(
+                model="builtin:smollm2-135m-instruct", prompt="Q: Say yes or no.\nA:", n=4, seed=0, temperature=1.0,
+                max_tokens=30, stop=["\n"], stream=True))
+        finals = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert sorted(finals) == [0, 1, 2, 3], (stream_chat, finals)
+
+
+def test_tiny_temperature_is_greedy(client):
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="The capital of France is", max_tokens=6)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    assert client.completions.create(temperature=1e-40, **kw).choices[0].text == greedy

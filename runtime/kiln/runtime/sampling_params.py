@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
 #: Largest ``n`` and ``logprobs`` a request may ask for.
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -17,7 +20,7 @@ class SamplingParams:
     Attributes:
         n: number of independent completions of the prompt (distinct samples), 1..MAX_N.
         max_tokens: generated tokens at most; None = up to the context length.
-        temperature: 0 = greedy; > 0 divides logits before sampling.
+        temperature: 0 (or below 1e-5) = greedy; otherwise divides logits before sampling.
         top_k: keep the k most likely tokens (-1 or 0 = all).
         top_p: nucleus sampling mass in (0, 1] (Holtzman et al., 2020).
         min_p: drop tokens whose probability is below ``min_p * p_max`` (0 = off).
@@ -99,7 +102,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """True for argmax sampling: temperature below ``SAMPLING_EPS`` (dividing logits by
+        a tiny temperature would overflow them; vLLM uses the same cut) or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -34,6 +34,10 @@ class _AuthError(Exception):
     """Missing or wrong API key (-> 401)."""
 
 
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected; its request was aborted."""
+
+
 def error_body(message: str, etype: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
@@ -104,6 +108,11 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
     @app.exception_handler(InvalidRequestError)
     async def _on_invalid(request: Request, exc: InvalidRequestError):
         return _error(400, str(exc))
+
+    @app.exception_handler(_ClientGone)
+    async def _on_gone(request: Request, exc: _ClientGone):
+        # Nobody reads this (nginx's 499 "client closed request"); no traceback in the log.
+        return Response(status_code=499)
 
     @app.exception_handler(_AuthError)
     async def _on_auth(request: Request, exc: _AuthError):
@@ -181,7 +190,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                         nxt.cancel()
                         await asyncio.gather(nxt, return_exceptions=True)
                         await it.aclose()
-                        raise asyncio.CancelledError("client disconnected")
+                        raise _ClientGone()
             try:
                 last = nxt.result()
             except StopAsyncIteration:
@@ -190,7 +199,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                 next_check = loop.time() + 1.0
                 if await request.is_disconnected():
                     await it.aclose()
-                    raise asyncio.CancelledError("client disconnected")
+                    raise _ClientGone()
 
     async def _start(prompt, params, rid: str) -> AsyncIterator[RequestOutput]:
         """Submit and wait until the engine accepted the request (so 400s surface here)."""
@@ -252,6 +261,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
 
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         remaining = len(gens)
+        finished_sent: set[int] = set()
         try:
             while remaining:
                 pi, out = await queue.get()
@@ -261,16 +271,22 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                 if out.finished:
                     ptoks += len(out.prompt_token_ids)
                 for c in out.outputs:
-                    if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
-                        continue
+                    idx = pi * n + c.index
                     if out.finished:
                         ctoks += len(c.token_ids)
-                    if not c.delta_text and c.finish_reason is None:
+                    # A chunk for new text, for new logprobs (a token may add no text yet:
+                    # a partial UTF-8 character, or text held back by a stop string), and
+                    # once for the choice's finish.
+                    lps = c.delta_logprobs if req.logprobs is not None else None
+                    final = c.finish_reason is not None and idx not in finished_sent
+                    if not c.delta_text and not lps and not final:
                         continue
+                    if final:
+                        finished_sent.add(idx)
                     chunk = {"id": base, "object": "text_completion", "created": created_ts, "model": model,
-                             "choices": [{"index": pi * n + c.index, "text": c.delta_text,
+                             "choices": [{"index": idx, "text": c.delta_text,
                                           "logprobs": _completion_logprobs(c.delta_logprobs, engine) if req.logprobs is not None else None,
-                                          "finish_reason": c.finish_reason if out.finished or c.finish_reason else None}]}
+                                          "finish_reason": c.finish_reason if final else None}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
             if req.stream_options and req.stream_options.include_usage:
                 usage = {"id": base, "object": "text_completion", "created": created_ts, "model": model, "choices": [],
@@ -316,6 +332,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
     async def _stream_chat(rid, model, gen, n, req: ChatCompletionRequest):
         created_ts = int(time.time())
         started = set()
+        finished_sent: set[int] = set()
         final = None
         try:
             for i in range(n):
@@ -327,13 +344,15 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             async for out in gen:
                 final = out
                 for c in out.outputs:
-                    if not c.delta_text and not c.finish_reason:
+                    lps = c.delta_logprobs if req.logprobs else None
+                    ends = c.finish_reason is not None and c.index not in finished_sent
+                    if not c.delta_text and not lps and not ends:
                         continue
-                    if not c.delta_text and c.finish_reason and not c.delta_token_ids and not out.finished:
-                        continue
+                    if ends:
+                        finished_sent.add(c.index)
                     choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                               "logprobs": _chat_logprobs(c.delta_logprobs, engine) if req.logprobs else None,
-                              "finish_reason": c.finish_reason}
+                              "finish_reason": c.finish_reason if ends else None}
                     yield f"data: {json.dumps({'id': rid, 'object': 'chat.completion.chunk', 'created': created_ts, 'model': model, 'choices': [choice]})}\n\n"
             if req.stream_options and req.stream_options.include_usage and final is not None:
                 ctoks = sum(len(c.token_ids) for c in final.outputs)
