@@ -3,8 +3,10 @@ baseline): perplexity on the shipped held-out text, each method against the base
 
 The issue's gates (docs/benchmarks.md, "Quantization", full text, 32 calibration samples) are
 fp8 +1%, int8-smoothquant +3%, int4 +8%, fp8 KV +1%.  These CPU tests use less text and
-calibration (so they fit a shared 2-core machine) and guard looser bounds; fp8's bound
-reflects what per-channel FP8 measures on this 135M model (see the benchmarks page).
+calibration (so they fit a shared 2-core machine) and guard looser bounds.  Measured here
+(2026-11-30, 1,024 tokens, 8 samples): fp8 +1.28%, int8-smoothquant +1.35%, int4-awq g64
++8.97%, int4-gptq g64 +11.34% (8 samples give GPTQ rank-deficient Hessians for the 1,536-wide
+down projection; without true-sequential calibration it measured about +12.2%), fp8 KV +0.63%.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ pytestmark = pytest.mark.slow
 EVAL_TOKENS = 1024
 SAMPLES = 8
 BOUNDS = {  # relative perplexity increase allowed here
-    "fp8": 0.04,
-    "int8-smoothquant": 0.05,
+    "fp8": 0.025,
+    "int8-smoothquant": 0.03,
     "int4-awq": 0.12,
     "int4-gptq": 0.12,
-    "kv-fp8": 0.02,
+    "kv-fp8": 0.015,
 }
 SPECS = {
     "fp8": dict(quantization="fp8"),
@@ -50,6 +52,7 @@ def test_perplexity_gate(name, baseline, tmp_path):
     got = perplexity(engine=str(eng), max_tokens=EVAL_TOKENS)
     assert got.num_tokens == baseline.num_tokens
     rise = got.perplexity / baseline.perplexity - 1
+    print(f"{name}: perplexity {got.perplexity:.3f} vs {baseline.perplexity:.3f} ({rise:+.2%}, bound +{BOUNDS[name]:.1%})")
     assert rise < BOUNDS[name], f"{name}: perplexity {got.perplexity:.3f} vs {baseline.perplexity:.3f} (+{rise:.2%})"
 
 

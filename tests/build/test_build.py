@@ -96,7 +96,7 @@ def test_kv_fp8_engine_uses_fp8_cache(tiny_engines):
 
 
 # -- determinism -----------------------------------------------------------------------------
-@pytest.mark.parametrize("kw", [dict(quantization="int4-gptq", group_size=32),
+@pytest.mark.parametrize("kw", [dict(quantization="int4-gptq", group_size=32), dict(quantization="fp8"),
                                 dict(quantization="int4-awq", group_size=32, kv_cache_dtype="fp8")])
 def test_deterministic(tiny_model, tmp_path, kw):
     spec = BuildSpec.from_cli(str(tiny_model), calibration_samples=3, **kw)
@@ -111,7 +111,7 @@ def test_deterministic(tiny_model, tmp_path, kw):
 
 
 def test_rebuild_same_path_is_noop(tiny_engines, tiny_model):
-    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8")
+    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8", calibration_samples=4)
     res = build_engine(spec, str(tiny_model), tiny_engines["fp8"], device="cpu")
     assert res.status == "exists"
 
@@ -203,7 +203,7 @@ def test_existing_foreign_output(tiny_model, tmp_path):
 
 def test_race_loser_keeps_winner(tiny_engines, tiny_model, tmp_path, monkeypatch):
     """Another builder renames the same engine into place first: this one discards its copy."""
-    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8")
+    spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8", calibration_samples=4)
     out = tmp_path / spec.hash()
     real = build_mod._build_into
 

@@ -81,11 +81,14 @@ def test_build_job_builds_into_the_hash_path_with_limits():
     assert j["spec"]["template"]["spec"]["restartPolicy"] == "Never"
 
 
-def test_fp8_weight_build_needs_no_gpu_and_pvc_sources_are_mounted():
-    spec = {"model": {"pvc": {"claimName": "models", "path": "llama/model.gguf"}}, "build": {"quantization": "fp8"}}
+def test_uncalibrated_build_needs_no_gpu_and_pvc_sources_are_mounted():
+    spec = {"model": {"pvc": {"claimName": "models", "path": "llama/model.gguf"}}, "build": {"quantization": "none"}}
     j = b.build_job(spec, "0" * 16, OWNER)
     ctr = container(j)
     assert "nvidia.com/gpu" not in str(ctr.get("resources"))
+    # fp8 calibrates (GPTQ-compensated weights): its build gets a GPU
+    fp8 = container(b.build_job({**spec, "build": {"quantization": "fp8"}}, "0" * 16, OWNER))
+    assert fp8["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert ctr["args"][ctr["args"].index("--model") + 1] == "/models/llama/model.gguf"
     vols = {v["name"]: v for v in j["spec"]["template"]["spec"]["volumes"]}
     assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}

@@ -44,7 +44,9 @@ def test_quantity_spellings_and_key_order():
 
 def test_settings_a_method_ignores_do_not_change_its_hash():
     assert h({"quantization": "fp8", "groupSize": 32}) == h({"quantization": "fp8"})
-    assert h({"quantization": "fp8", "calibrationSamples": 7}) == h({"quantization": "fp8"})
+    assert h({"quantization": "none", "calibrationSamples": 7}) == h({"quantization": "none"})
+    # fp8 calibrates (GPTQ-compensated weights + smoothing), so its sample count is part of it
+    assert h({"quantization": "fp8", "calibrationSamples": 7}) != h({"quantization": "fp8"})
     assert h({"quantization": "int4-awq", "groupSize": 64}) != h({"quantization": "int4-awq"})
     assert h({"quantization": "int4-awq", "calibrationSamples": 7}) != h({"quantization": "int4-awq"})
     assert h({"kvCacheDtype": "fp8", "calibrationSamples": 7}) != h({"kvCacheDtype": "fp8"})

@@ -89,7 +89,7 @@ METRIC_NAMES = (
 
 # --- build knobs --------------------------------------------------------------------------
 QUANTIZATION_METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
-CALIBRATING_METHODS = ("int8-smoothquant", "int4-awq", "int4-gptq")  # need calibration text
+CALIBRATING_METHODS = ("fp8", "int8-smoothquant", "int4-awq", "int4-gptq")  # need calibration text
 GROUPED_METHODS = ("int4-awq", "int4-gptq")  # take a group size
 GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")

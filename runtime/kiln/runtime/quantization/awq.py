@@ -98,7 +98,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int) -> tuple[torc
         for i in range(int(MAX_SHRINK * CLIP_GRID)):
             f = 1 - i / CLIP_GRID
             for hi, lo in ((torch.minimum(wmax, amax * f), torch.maximum(wmin, -amax * f)), (wmax * f, wmin * f)):
-                s = ((hi - lo) / 15).clamp(min=1e-8)
+                s = ((hi - lo) / 15).clamp(min=1e-7, max=65504.0).to(int4.SCALE_DTYPE).float()  # as stored
                 z = torch.round(-lo / s).clamp(0, 15)
                 q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, 15)
                 deq = (q - z[..., None]) * s[..., None]

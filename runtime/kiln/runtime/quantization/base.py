@@ -27,6 +27,8 @@ from torch import nn
 from ..model.layers import LinearBase
 
 METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
+# GPTQ's "true sequential" order of a decoder layer's linears, one group each
+TRUE_SEQUENTIAL = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
 
 
 class QuantizationError(ValueError):
@@ -105,16 +107,28 @@ class QuantHandler:
     Attributes:
         needs_calibration: the method reads calibration statistics.
         wants: statistics it needs per linear ({"absmax", "absmean", "hessian", "samples"}).
+        sequential_groups: when set, groups of linear names (inside a layer) that are calibrated
+            and quantized one group after the other, each group's statistics collected with the
+            earlier groups already quantized (GPTQ's "true sequential" option); ``quantize_layer``
+            is then called once per group with only that group's statistics.
+        prepare_wants: statistics ``prepare_layer`` reads (empty: it is not called).
     """
 
     needs_calibration = False
     wants: frozenset[str] = frozenset()
+    sequential_groups: tuple[tuple[str, ...], ...] | None = None
+    prepare_wants: frozenset[str] = frozenset()
 
     def __init__(self, settings: QuantSettings):
         self.settings = settings
 
     def check(self, model: nn.Module) -> None:
         """Raise ``QuantizationError`` when the model's shapes cannot take the settings."""
+
+    def prepare_layer(self, layer: nn.Module, prefix: str, stats: dict[str, LayerStats]) -> None:
+        """Exact float rewrites of one decoder layer before any of its linears is calibrated
+        and quantized (e.g. smoothing folded into the norms), from the statistics named in
+        ``prepare_wants``; the default does nothing."""
 
     def quantize_layer(self, layer: nn.Module, prefix: str, stats: dict[str, LayerStats] | None) -> None:
         """Quantize the linears of one decoder layer in place (float32 math).

@@ -152,13 +152,15 @@ class LayerwiseCalibrator:
         finally:
             attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = saved
 
-    def collect(self, index: int, wants: frozenset[str]) -> dict[str, LayerStats]:
-        """Statistics of the inputs of every linear in decoder layer ``index`` (the layer's
-        weights are not changed; nothing advances)."""
+    def collect(self, index: int, wants: frozenset[str], names: tuple[str, ...] | None = None) -> dict[str, LayerStats]:
+        """Statistics of the inputs of the linears ``names`` (default: every linear) of decoder
+        layer ``index``, as the layer is now (linears already quantized run quantized); the
+        layer's weights are not changed and nothing advances."""
         layer = self.model.model.layers[index]
         stride = max(1, math.ceil(self.total_tokens / MAX_SAVED_ROWS))
-        collectors = {name: _Collector(wants, stride) for name, _ in decoder_linears(layer)}
-        handles = [mod.register_forward_pre_hook(collectors[name]) for name, mod in decoder_linears(layer)]
+        mods = [(n, m) for n, m in decoder_linears(layer) if names is None or n in names]
+        collectors = {name: _Collector(wants, stride) for name, _ in mods}
+        handles = [mod.register_forward_pre_hook(collectors[name]) for name, mod in mods]
         try:
             self._run(layer, update=False)
         finally:
@@ -191,7 +193,9 @@ class LayerwiseCalibrator:
 
 def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, kv_fp8: bool,
                    progress: Callable[[str, int, int], None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Apply ``handler`` to every decoder layer, calibrating when needed.
+    """Apply ``handler`` to every decoder layer, calibrating when needed: per layer,
+    ``handler.prepare_layer`` (when it wants statistics), then ``handler.quantize_layer`` once,
+    or once per group of ``handler.sequential_groups`` with statistics re-collected each time.
 
     Args:
         model: float32 ``LlamaForCausalLM`` (rewritten in place).
@@ -216,8 +220,15 @@ def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, k
     cal = LayerwiseCalibrator(model, samples)
     kv: list = []
     for i, layer in enumerate(layers):
-        stats = cal.collect(i, handler.wants) if handler.needs_calibration else None
-        handler.quantize_layer(layer, f"model.layers.{i}", stats)
+        if handler.needs_calibration and handler.prepare_wants:
+            handler.prepare_layer(layer, f"model.layers.{i}", cal.collect(i, handler.prepare_wants))
+        if not handler.needs_calibration:
+            handler.quantize_layer(layer, f"model.layers.{i}", None)
+        elif handler.sequential_groups:  # GPTQ's "true sequential": later groups see earlier ones quantized
+            for names in handler.sequential_groups:
+                handler.quantize_layer(layer, f"model.layers.{i}", cal.collect(i, handler.wants, names))
+        else:
+            handler.quantize_layer(layer, f"model.layers.{i}", cal.collect(i, handler.wants))
         r = cal.advance(i, kv_absmax=kv_fp8)
         if kv_fp8:
             kv.append(r)  # type: ignore[arg-type]

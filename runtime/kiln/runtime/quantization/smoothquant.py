@@ -50,6 +50,44 @@ def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: flo
     return (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)
 
 
+def smooth_layer(layer, stats, alpha: float, names=("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")) -> dict:
+    """Migrate activation outliers into the weights of one decoder layer, folding ``1 / s`` into
+    the producer of each input (exact in float arithmetic):
+
+    * ``self_attn.qkv_proj``: the input RMSNorm's weights;
+    * ``mlp.gate_up_proj``: the post-attention RMSNorm's weights;
+    * ``mlp.down_proj``: the up-projection rows (``silu(gate) * up / s``).
+
+    Args:
+        layer: a ``LlamaDecoderLayer`` (float weights, changed in place).
+        stats: ``LayerStats`` with ``absmax`` keyed by linear name.
+        alpha: migration strength.
+        names: which of the three inputs to smooth.
+    Returns:
+        ``{name: s}`` float32 [K] factors applied.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    out = {}
+    with torch.no_grad():
+        if "self_attn.qkv_proj" in names:
+            s = smoothing_factors(stats["self_attn.qkv_proj"].absmax, attn.qkv_proj.weight, alpha)
+            attn.qkv_proj.weight.mul_(s)
+            layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
+            out["self_attn.qkv_proj"] = s
+        if "mlp.gate_up_proj" in names:
+            s = smoothing_factors(stats["mlp.gate_up_proj"].absmax, mlp.gate_up_proj.weight, alpha)
+            mlp.gate_up_proj.weight.mul_(s)
+            layer.post_attention_layernorm.weight.div_(s)
+            out["mlp.gate_up_proj"] = s
+        if "mlp.down_proj" in names:
+            s = smoothing_factors(stats["mlp.down_proj"].absmax, mlp.down_proj.weight, alpha)
+            mlp.down_proj.weight.mul_(s)
+            inter = mlp.gate_up_proj.weight.shape[0] // 2
+            mlp.gate_up_proj.weight[inter:].div_(s[:, None])
+            out["mlp.down_proj"] = s
+    return out
+
+
 class Int8LinearMethod(LinearMethod):
     name = "int8-smoothquant"
 
@@ -89,20 +127,8 @@ class SmoothQuantHandler(QuantHandler):
     def quantize_layer(self, layer, prefix, stats) -> None:
         alpha = float(self.settings.alpha)
         attn, mlp = layer.self_attn, layer.mlp
+        smooth_layer(layer, stats, alpha)
         with torch.no_grad():
-            s = smoothing_factors(stats["self_attn.qkv_proj"].absmax, attn.qkv_proj.weight, alpha)
-            attn.qkv_proj.weight.mul_(s)
-            layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
-
-            s = smoothing_factors(stats["mlp.gate_up_proj"].absmax, mlp.gate_up_proj.weight, alpha)
-            mlp.gate_up_proj.weight.mul_(s)
-            layer.post_attention_layernorm.weight.div_(s)
-
-            s = smoothing_factors(stats["mlp.down_proj"].absmax, mlp.down_proj.weight, alpha)
-            mlp.down_proj.weight.mul_(s)
-            inter = mlp.gate_up_proj.weight.shape[0] // 2
-            mlp.gate_up_proj.weight[inter:].div_(s[:, None])
-
             s_o = smoothing_factors(stats["self_attn.o_proj"].absmax, attn.o_proj.weight, alpha)
             attn.o_proj.weight.mul_(s_o)
 
