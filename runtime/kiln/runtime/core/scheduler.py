@@ -313,14 +313,7 @@ class Scheduler:
             req.num_computed_tokens += sr.num_new_tokens
             kv.cache_blocks(req, req.num_computed_tokens)
             if needs_sample:
-                try:
-                    token = sampled_token_ids[req.request_id]
-                except KeyError:
-                    raise KeyError(
-                        f"update_from_output: request {req.request_id} finished its tokens this step "
-                        "but no sampled token was given"
-                    ) from None
-                req.append_output_token(token)
+                req.append_output_token(_sampled_token(sampled_token_ids, req))
 
     def _update_async(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
         """``update_from_output`` under asynchronous scheduling: fill each sampled request's
@@ -332,14 +325,17 @@ class Scheduler:
             if self.requests.get(req.request_id) is not req:  # finished (e.g. aborted) since
                 continue
             if sr.needs_sample:
-                try:
-                    token = sampled_token_ids[req.request_id]
-                except KeyError:
-                    raise KeyError(
-                        f"update_from_output: request {req.request_id} finished its tokens this step "
-                        "but no sampled token was given"
-                    ) from None
-                req.fill_placeholder(sr.num_tokens, token)
+                req.fill_placeholder(sr.num_tokens, _sampled_token(sampled_token_ids, req))
             end = sr.num_computed_tokens + sr.num_new_tokens
             if req.status == RequestStatus.RUNNING and req.num_computed_tokens >= end:
                 kv.cache_blocks(req, end)
+
+
+def _sampled_token(sampled_token_ids: dict[str, int], req: Request) -> int:
+    try:
+        return sampled_token_ids[req.request_id]
+    except KeyError:
+        raise KeyError(
+            f"update_from_output: request {req.request_id} finished its tokens this step "
+            "but no sampled token was given"
+        ) from None
