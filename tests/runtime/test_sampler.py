@@ -94,3 +94,12 @@ def test_logprobs_are_raw_distribution():
 def test_params_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+def test_logit_bias_moves_greedy_and_leaves_raw_logprobs():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    top = sample(logits.clone(), [_row(temperature=0.0)]).token_ids[0]
+    assert top == 1
+    out = sample(logits.clone(), [_row(temperature=0.0, logit_bias={1: -100.0, 2: 3.0}, logprobs=1)])
+    assert out.token_ids == [2]
+    assert abs(out.logprobs[0][0] - torch.log_softmax(logits[0], -1)[2].item()) < 1e-6

@@ -94,6 +94,14 @@ BAD = [
     ({"prompt": 12}, "prompt"),
     ({"prompt": "hi", "temperature": float("nan")}, "finite"),
     ({"prompt": "hi", "temperature": float("inf")}, "finite"),
+    ({"prompt": "hi", "stop_token_ids": [-5]}, "-5"),
+    ({"prompt": "hi", "stop_token_ids": [10**9]}, "1000000000"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 300}}, "[-100, 100]"),
+    ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "99999999"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "suffix": "end"}, "suffix"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
 ]
 
 
@@ -176,3 +184,19 @@ def test_tiny_temperature_is_greedy(client):
     kw = dict(model="builtin:smollm2-135m-instruct", prompt="The capital of France is", max_tokens=6)
     greedy = client.completions.create(temperature=0, **kw).choices[0].text
     assert client.completions.create(temperature=1e-40, **kw).choices[0].text == greedy
+
+
+def test_logit_bias_steers_sampling(client):
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="The capital of France is", max_tokens=5, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    biased = client.completions.create(logit_bias={"45": 100}, **kw).choices[0].text  # 45 is "="
+    assert plain.startswith(" Paris") and biased == "=" * 5
+
+
+def test_echo_prepends_the_prompt(client, server):
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    echoed = client.completions.create(echo=True, **kw).choices[0].text
+    assert echoed == kw["prompt"] + plain
+    chunks = list(client.completions.create(echo=True, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == echoed

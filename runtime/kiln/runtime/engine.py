@@ -195,6 +195,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for what, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(

@@ -139,6 +139,12 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     raw_logprobs = torch.log_softmax(logits, dim=-1) if lp_rows else None
     if any(r.params.has_penalties for r in rows):
         logits = _apply_penalties(logits, rows)
+    for i, r in enumerate(rows):  # OpenAI's logit_bias, after the raw logprobs (as vLLM)
+        if r.params.logit_bias:
+            ids = _index(list(r.params.logit_bias), dev)
+            vals = torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+            vals = vals.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else vals
+            logits[i].index_add_(0, ids, vals)
 
     greedy = [r.params.greedy for r in rows]
     if all(greedy):

@@ -30,6 +30,7 @@ class SamplingParams:
             generated tokens; 1.0 = off.
         stop: strings that end generation when they appear in the text (not included).
         stop_token_ids: token ids that end generation (not included in the text).
+        logit_bias: ``{token_id: bias}`` added to the logits before sampling (-100..100).
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: also return this many top log-probabilities per generated token (of the
             model's raw distribution, before penalties and temperature); None = off.
@@ -57,6 +58,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # False: return token ids only (benchmarks, models without a tokenizer).
     detokenize: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias; -100..100).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -99,6 +102,24 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if len(self.stop) > 16:
             raise ValueError(f"at most 16 stop strings, got {len(self.stop)}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids to stop on token ids)")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.logit_bias:
+            bias = {}
+            for k, v in dict(self.logit_bias).items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                if tid < 0 or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {k!r}: {v!r}")
+                bias[tid] = float(v)
+            self.logit_bias = bias
+        else:
+            self.logit_bias = None
 
     @property
     def greedy(self) -> bool:

@@ -232,22 +232,26 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                 await g.aclose()
             raise
         model = req.model or engine.served_model_name
+        # echo: the prompt's text before each choice's (decoded when given as token ids)
+        echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo and engine.tokenizer else ""
+                  for p in prompts]
         if req.stream:
-            return StreamingResponse(_stream_completions(base, model, gens, params.n, req), media_type="text/event-stream")
+            return StreamingResponse(_stream_completions(base, model, gens, params.n, req, echoes),
+                                     media_type="text/event-stream")
         finals = await asyncio.gather(*(_collect(g, request) for g in gens))
         choices, ptoks, ctoks = [], 0, 0
         for pi, out in enumerate(finals):
             ptoks += len(out.prompt_token_ids)
             for c in out.outputs:
                 ctoks += len(c.token_ids)
-                choices.append({"index": pi * params.n + c.index, "text": c.text,
+                choices.append({"index": pi * params.n + c.index, "text": echoes[pi] + c.text,
                                 "logprobs": _completion_logprobs(c.logprobs, engine) if req.logprobs is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices,
                 "usage": _usage(ptoks, ctoks)}
 
-    async def _stream_completions(base, model, gens, n, req: CompletionRequest):
+    async def _stream_completions(base, model, gens, n, req: CompletionRequest, echoes: list[str]):
         created_ts = int(time.time())
         queue: asyncio.Queue = asyncio.Queue()
         ptoks = ctoks = 0
@@ -263,6 +267,11 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         remaining = len(gens)
         finished_sent: set[int] = set()
         try:
+            for pi, text in enumerate(echoes):
+                for i in range(n if text else 0):
+                    chunk = {"id": base, "object": "text_completion", "created": created_ts, "model": model,
+                             "choices": [{"index": pi * n + i, "text": text, "logprobs": None, "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
             while remaining:
                 pi, out = await queue.get()
                 if out is None:

@@ -37,6 +37,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
@@ -58,6 +59,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -68,8 +70,18 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def to_sampling_params(self, default_max_tokens: int | None = 16) -> SamplingParams:
+        """Raises ValueError (-> HTTP 400) for out-of-range values and for what this server
+        does not do (``best_of`` above ``n``, ``suffix``, ``echo`` with ``logprobs``)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) different from n ({self.n}) is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
         return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
 
     def prompts(self) -> list[Union[str, list[int]]]:
