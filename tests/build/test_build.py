@@ -265,6 +265,53 @@ def test_refuses_incomplete_and_edited_manifest(engine_copy):
         open_engine(engine_copy)
 
 
+def test_refuses_short_hash_and_weights_outside_the_folder(engine_copy, tmp_path):
+    m = json.loads((engine_copy / MANIFEST_FILENAME).read_text())
+    good = dict(m)
+    m["engine_hash"] = m["engine_hash"][:1]
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    with pytest.raises(EngineFormatError, match="does not match its build spec"):
+        open_engine(engine_copy)
+    m = dict(good)
+    m["weights"] = {"files": [{**good["weights"]["files"][0], "name": "../elsewhere.safetensors"}]}
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    with pytest.raises(EngineFormatError, match="not a file inside"):
+        open_engine(engine_copy)
+    m["weights"] = "x"
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    with pytest.raises(EngineFormatError, match="malformed weights"):
+        open_engine(engine_copy)
+
+
+def test_rebuild_over_a_corrupt_engine_fails_instead_of_reporting_it_built(tiny_engines, tiny_model, tmp_path, capsys):
+    out = tmp_path / "eng"
+    shutil.copytree(tiny_engines["int4-gptq"], out)
+    f = out / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    rc = cli("--model", str(tiny_model), "--output", str(out), "--quantization", "int4-gptq", "--group-size", "32",
+             "--calibration-samples", "4")
+    assert rc == 1 and "fails verification" in capsys.readouterr().err
+
+
+def test_eval_bad_text_and_windows(tiny_engines, capsys, tmp_path):
+    from kiln.runtime.eval import main
+
+    eng = str(tiny_engines["none"])
+    assert main(["perplexity", "--engine", eng, "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    assert main(["perplexity", "--engine", eng, "--text", str(empty)]) == 2
+    assert "nothing to score" in capsys.readouterr().err
+    text = tmp_path / "t.txt"
+    text.write_text("Some text. " * 20)
+    for flag, value in (("--window", "0"), ("--window", "1"), ("--max-tokens", "0")):
+        assert main(["perplexity", "--engine", eng, "--text", str(text), flag, value]) == 2, flag
+        assert "at least 2" in capsys.readouterr().err
+
+
 def test_eval_cli(tiny_engines, capsys, tmp_path):
     from kiln.runtime.eval import main
 
@@ -297,3 +344,27 @@ def test_kiln_cli_wiring(tiny_model, tmp_path, capsys):
     assert str(out) in capsys.readouterr().out
     assert main(["eval", "perplexity", "--engine", str(out), "--text", str(tiny_model / "config.json")]) == 0
     assert "perplexity" in capsys.readouterr().out
+
+
+def test_sigterm_removes_the_unfinished_engine(tmp_path):
+    """Kubernetes stops a build Job's pod with SIGTERM: exit 143, nothing left behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "eng"
+    env = {**os.environ, "KILN_CPU_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.build", "--model", "builtin:smollm2-135m-instruct",
+                             "--output", str(out), "--quantization", "int4-gptq", "--group-size", "32",
+                             "--calibration-samples", "8"], stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not leftovers(tmp_path):  # wait until it writes its temp folder
+        time.sleep(0.2)
+    assert leftovers(tmp_path), "the build never started writing"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "terminated" in err
+    assert not out.exists() and not leftovers(tmp_path)

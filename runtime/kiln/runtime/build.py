@@ -19,7 +19,9 @@ import errno
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import tempfile
 import time
 from dataclasses import dataclass
@@ -161,6 +163,13 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
     h = spec.hash()
     if out.exists():
         if is_engine_complete(str(out), h):
+            from .engine_format import EngineFormatError, open_engine  # noqa: PLC0415
+
+            try:  # a finished engine of this hash: still intact (weights against their checksums)?
+                open_engine(out, verify=True)
+            except EngineFormatError as e:
+                raise BuildError(f"{out} holds engine {h} but it fails verification ({e}); remove it and build "
+                                 "again") from None
             say(f"engine {h} already built at {out}")
             return BuildResult(out, h, "exists", time.perf_counter() - t0)
         if out.is_dir() and not any(out.iterdir()):
@@ -343,16 +352,31 @@ def run_build(args: argparse.Namespace) -> int:
     if getattr(args, "print_hash", False):
         print(spec.hash())
         return 0
+    def _on_sigterm(signum, frame):  # Kubernetes stops a Job's pod with SIGTERM: clean up as for ^C
+        raise _Terminated()
+
+    prev = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     try:
         res = build_engine(spec, args.model, args.output, device=args.device, progress=_stderr_progress)
+    except _Terminated:
+        print("kiln build: terminated; the unfinished engine was removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BadInputError as e:
         print(f"kiln build: error: {e}", file=sys.stderr)
         return 2
     except BuildError as e:
         print(f"kiln build: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
     print(res.path)
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM during a build (a BaseException, so cleanup code that catches Exception runs
+    its ``finally`` blocks and lets it through, as for KeyboardInterrupt)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,12 +178,25 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
     for key in ("engine_hash", "build_spec", "model", "quantization", "weights"):
         if key not in m:
             raise EngineFormatError(f"engine {p}: manifest lacks {key!r}")
-    if spec_hash(m["build_spec"], len(str(m["engine_hash"]))) != m["engine_hash"]:
-        raise EngineFormatError(f"engine {p}: manifest's engine hash {m['engine_hash']} does not match its build spec "
+    h = str(m["engine_hash"])
+    if len(h) < 16 or spec_hash(m["build_spec"], len(h)) != h:
+        raise EngineFormatError(f"engine {p}: manifest's engine hash {h!r} does not match its build spec "
                                 f"(edited or corrupt manifest); rebuild it")
     if verify is None:
         verify = os.environ.get("KILN_ENGINE_VERIFY", "1") not in ("0", "false", "no")
-    for f in m["weights"]["files"]:
+    try:
+        files = list(m["weights"]["files"])
+        names = [str(f["name"]) for f in files]
+        sizes = [int(f["bytes"]) for f in files]
+        sums = [str(f["sha256"]) for f in files]
+    except (TypeError, KeyError, ValueError) as e:
+        raise EngineFormatError(f"engine {p}: malformed weights list in the manifest ({e!r}); rebuild it") from None
+    if not files:
+        raise EngineFormatError(f"engine {p}: the manifest lists no weight files; rebuild it")
+    for name in names:
+        if Path(name).name != name or name.startswith("."):
+            raise EngineFormatError(f"engine {p}: weight file name {name!r} is not a file inside the engine folder")
+    for f in ({"name": n, "bytes": b, "sha256": c} for n, b, c in zip(names, sizes, sums)):
         fp = p / f["name"]
         if not fp.is_file():
             raise EngineFormatError(f"engine {p}: weight file {f['name']} is missing; rebuild it")

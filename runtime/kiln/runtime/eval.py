@@ -95,14 +95,25 @@ def score_windows(engine, ids: list[int], window: int = DEFAULT_WINDOW, want_arg
 def perplexity(model: str | None = None, engine: str | None = None, text: str | None = None,
                max_tokens: int | None = None, window: int = DEFAULT_WINDOW, device: str = "cpu",
                dtype: str = "auto") -> PerplexityResult:
-    """Perplexity of a source or engine on ``text`` (default: the shipped held-out text),
-    first ``max_tokens`` tokens when given."""
+    """Perplexity of a source or engine on ``text`` (a file path, or the text itself;
+    default: the shipped held-out text), first ``max_tokens`` tokens when given.
+
+    Raises:
+        ValueError: ``window`` < 2, ``max_tokens`` < 2, or a text too short to score a token.
+    """
+    if window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {window}")
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
     eng = open_model(model, engine, device, dtype, window)
     ids = list(eng.tokenizer(read_text(text) if text is None or Path(text).exists() else text,
                              add_special_tokens=False)["input_ids"])
     if max_tokens:
         ids = ids[:max_tokens]
-    return score_windows(eng, ids, window)[0]
+    res = score_windows(eng, ids, window)[0]
+    if res.num_tokens == 0:
+        raise ValueError(f"the text has {len(ids)} token(s): nothing to score (need at least 2)")
+    return res
 
 
 def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 2048, num_prompts: int = 8,
@@ -181,6 +192,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from .model.config import UnsupportedModelError  # noqa: PLC0415
 
     try:
+        if getattr(args, "text", None) is not None and not Path(args.text).is_file():
+            raise FileNotFoundError(f"--text {args.text}: no such file")
         if args.eval_command == "perplexity":
             r = perplexity(args.model, args.engine, args.text, args.max_tokens, args.window, args.device, args.dtype)
             if args.json:
@@ -192,7 +205,7 @@ def run_eval(args: argparse.Namespace) -> int:
                       device=args.device)
         print(json.dumps(r, indent=2))
         return 0
-    except (EngineFormatError, ModelSourceError, UnsupportedModelError, FileNotFoundError) as e:
+    except (EngineFormatError, ModelSourceError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
         print(f"kiln eval: error: {e}", file=sys.stderr)
         return 2
 
