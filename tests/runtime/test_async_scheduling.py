@@ -62,8 +62,7 @@ def test_preempted_request_keeps_filled_token_and_resumes():
     b = Request("b", list(range(100, 108)), max_tokens=8)
     s.add_request(a)
     s.add_request(b)
-    outs = [s.schedule()]  # both prefill: 4 blocks used
-    pending = outs[0]
+    pending = s.schedule()  # both prefill: 4 blocks used
     for tok in range(20):
         out = s.schedule()
         s.update_from_output(pending, {sr.request_id: 1000 + tok for sr in pending.scheduled if sr.needs_sample})

@@ -196,15 +196,15 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
     for name in names:
         if Path(name).name != name or name.startswith("."):
             raise EngineFormatError(f"engine {p}: weight file name {name!r} is not a file inside the engine folder")
-    for f in ({"name": n, "bytes": b, "sha256": c} for n, b, c in zip(names, sizes, sums)):
-        fp = p / f["name"]
+    for name, nbytes, digest in zip(names, sizes, sums):
+        fp = p / name
         if not fp.is_file():
-            raise EngineFormatError(f"engine {p}: weight file {f['name']} is missing; rebuild it")
+            raise EngineFormatError(f"engine {p}: weight file {name} is missing; rebuild it")
         size = fp.stat().st_size
-        if size != f["bytes"]:
-            raise EngineFormatError(f"engine {p}: weight file {f['name']} has {size} bytes, manifest says "
-                                    f"{f['bytes']} (truncated or modified); checksum mismatch, rebuild it")
-        if verify and sha256_file(fp) != f["sha256"]:
-            raise EngineFormatError(f"engine {p}: checksum mismatch for {f['name']} (sha256 differs from the "
+        if size != nbytes:
+            raise EngineFormatError(f"engine {p}: weight file {name} has {size} bytes, manifest says "
+                                    f"{nbytes} (truncated or modified); checksum mismatch, rebuild it")
+        if verify and sha256_file(fp) != digest:
+            raise EngineFormatError(f"engine {p}: checksum mismatch for {name} (sha256 differs from the "
                                     f"manifest: corrupt or modified engine); rebuild it")
     return Engine(p, m)
