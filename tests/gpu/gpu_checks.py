@@ -91,10 +91,13 @@ def greedy_equivalence() -> None:
     torch.cuda.empty_cache()
 
 
+KV_FRACTION = [0.85]
+
+
 def llama8b(**kw):
     from kiln.runtime import LLM
 
-    kw.setdefault("kv_cache_memory_fraction", 0.85)
+    kw.setdefault("kv_cache_memory_fraction", KV_FRACTION[0])
     return LLM(model="builtin:llama-3.1-8b", load_format="dummy", dtype="bfloat16", **kw)
 
 
@@ -169,8 +172,11 @@ def profile_steps(llm, batch: int, prompt_len: int, steps: int = 12) -> None:
     eng = llm.engine
     prompts = [[(1000 + i * 7 + j) % eng.model_config.vocab_size for j in range(prompt_len)] for i in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
+    # Enough tokens that no request finishes while the last prompts are still prefilled
+    # (an earlier version used steps + 8 and profiled a partly drained batch).
+    prefill_steps = -(-batch * prompt_len // eng.args.max_num_batched_tokens)
     for p in prompts:
-        eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True,
+        eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps + 8, ignore_eos=True,
                                                 detokenize=False))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()) \
             or eng.scheduler.num_waiting:
@@ -184,6 +190,7 @@ def profile_steps(llm, batch: int, prompt_len: int, steps: int = 12) -> None:
             eng.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    running = len(eng.scheduler.running)
     while eng.has_unfinished_requests():
         eng.step()
     ka = prof.key_averages()
@@ -191,16 +198,136 @@ def profile_steps(llm, batch: int, prompt_len: int, steps: int = 12) -> None:
     rows = sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:14]
     table = [(e.key[:50], e.count // steps, round(e.self_device_time_total / steps, 1)) for e in rows]
     key = f"steps_b{batch}_ctx{prompt_len}"
-    RESULTS[key] = {"step_ms": wall / steps * 1e3, "gpu_ms_per_step": gpu_total / steps * 1e3,
+    RESULTS[key] = {"running": running, "step_ms": wall / steps * 1e3, "gpu_ms_per_step": gpu_total / steps * 1e3,
                     "gpu_busy": gpu_total / wall, "kernels_us_per_step": table}
     log(f"[steps] batch {batch} ctx {prompt_len}: {wall/steps*1e3:.2f} ms/step, GPU {gpu_total/steps*1e3:.2f} ms/step "
         f"({gpu_total/wall*100:.0f}% busy); per step (name, launches, us): {table}")
     del sp
 
 
-def fp8_throughput(max_num_seqs: int) -> None:
+def run_profile(llm, n: int = 1000, il: int = 1000, ol: int = 1000, prof_at: tuple | None = (700, 1150),
+                tag: str = "") -> None:
+    """The real 1000/1000 run with a per-step log: host time per step (with asynchronous
+    scheduling the host waits on the previous step, so in steady state this is the GPU step
+    time) by step kind (decode-only vs carrying prefill tokens) and batch, plus a torch
+    profiler kernel breakdown over a few steps around ``prof_at`` (one decode-only window,
+    one with prefill chunks)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.bench import make_workload
+
+    eng = llm.engine
+    cfg = eng.model_config
+    wl = make_workload(n, il, ol, 0.0, cfg.vocab_size, seed=0)
+    llm.generate([wl.prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
+    for p, o in zip(wl.prompts, wl.output_lens):
+        eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False))
+    sched = eng.scheduler
+    orig = sched.schedule
+    log_rows = []
+
+    def logged():
+        out = orig()
+        ctx = sum(sr.request.num_computed_tokens for sr in out.scheduled)
+        log_rows.append((time.perf_counter(), out.num_decode_tokens, out.num_prefill_tokens, len(out.scheduled), ctx))
+        return out
+
+    sched.schedule = logged
+    runner = eng.runner
+    orig_exec = runner.execute_async
+    launch_ms = {"decode": [], "mixed": []}
+
+    def timed_exec(out, rows):
+        t = time.perf_counter()
+        r = orig_exec(out, rows)
+        launch_ms["mixed" if out.num_prefill_tokens else "decode"].append((time.perf_counter() - t) * 1e3)
+        return r
+
+    runner.execute_async = timed_exec
+    windows = {}
+    prof = None
+    prof_state = None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n_out = 0
+    try:
+        while eng.has_unfinished_requests():
+            k = len(log_rows)
+            if prof_at is None:
+                pass
+            elif prof is None and prof_state is None and k >= prof_at[0] and log_rows and log_rows[-1][2] == 0:
+                prof_state = "decode"
+                prof = profile(activities=[ProfilerActivity.CUDA]); prof.__enter__(); windows[prof_state] = [k, None]
+            elif prof is None and prof_state == "decode_done" and k >= prof_at[1] and log_rows[-1][2] > 0:
+                prof_state = "mixed"
+                prof = profile(activities=[ProfilerActivity.CUDA]); prof.__enter__(); windows[prof_state] = [k, None]
+            outs = eng.step()
+            n_out += sum(1 for o in outs if o.finished)
+            if prof is not None and len(log_rows) - windows[prof_state][0] >= 12:
+                torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                windows[prof_state][1] = len(log_rows)
+                ka = prof.key_averages()
+                steps = windows[prof_state][1] - windows[prof_state][0]
+                rows = log_rows[windows[prof_state][0]:windows[prof_state][1]]
+                gpu = sum(e.self_device_time_total for e in ka) / 1e3 / steps
+                top = sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:16]
+                table = [(e.key[:60], round(e.count / steps, 1), round(e.self_device_time_total / steps / 1e3, 3)) for e in top]
+                RESULTS[f"runprof_{prof_state}"] = {"steps": steps, "gpu_ms_per_step": gpu, "batch": [r[3] for r in rows][:3],
+                                                   "prefill_tokens": [r[2] for r in rows], "kernels_ms_per_step": table}
+                log(f"[runprof {prof_state}] {steps} steps at step {windows[prof_state][0]}: GPU {gpu:.2f} ms/step "
+                    f"(under the profiler); seqs {[r[3] for r in rows][:3]}, prefill tokens {[r[2] for r in rows]}, "
+                    f"sum ctx {rows[0][4]}; per step (name, launches, ms): {table}")
+                prof = None
+                prof_state = "decode_done" if prof_state == "decode" else "mixed_done"
+    finally:
+        sched.schedule = orig
+        runner.execute_async = orig_exec
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    # per-step durations: from one schedule() call to the next
+    dec_t = dec_n = mix_t = mix_n = 0.0
+    mix_pf = 0
+    by_batch: dict = {}
+    skip = set()
+    for w in windows.values():
+        skip.update(range(w[0] - 1, (w[1] or w[0]) + 1))
+    for i in range(len(log_rows) - 1):
+        if i in skip:
+            continue
+        dt = log_rows[i + 1][0] - log_rows[i][0]
+        _, nd, npf, ns, ctx = log_rows[i]
+        if npf == 0:
+            dec_t += dt
+            dec_n += 1
+            b = min(512, (ns + 31) // 32 * 32)
+            by_batch.setdefault(b, [0, 0.0, 0])
+            by_batch[b][0] += 1
+            by_batch[b][1] += dt
+            by_batch[b][2] += ctx
+        else:
+            mix_t += dt
+            mix_n += 1
+            mix_pf += npf
+    lm = {k: (round(sum(v) / max(len(v), 1), 2), round(max(v or [0]), 1)) for k, v in launch_ms.items()}
+    RESULTS[f"runprof{tag}"] = {"launch_ms_mean_max": lm, "wall_s": wall, "tok_s": n * ol / wall, "steps": len(log_rows),
+                          "decode_steps": dec_n, "decode_s": dec_t, "mixed_steps": mix_n, "mixed_s": mix_t,
+                          "mixed_prefill_tokens": mix_pf,
+                          "decode_by_batch": {b: {"steps": v[0], "ms_per_step": v[1] / v[0] * 1e3,
+                                                  "avg_ctx": v[2] / v[0] / max(b, 1)} for b, v in sorted(by_batch.items())}}
+    log(f"[runprof{tag}] host launch ms (mean, max) {lm}; budget {eng.args.max_num_batched_tokens}, "
+        f"max_num_seqs {eng.args.max_num_seqs}")
+    log(f"[runprof{tag}] {n} x {il}/{ol}: wall {wall:.1f}s = {n*ol/wall:.0f} tok/s, {len(log_rows)} steps; decode-only "
+        f"{dec_n} steps {dec_t:.1f}s; with prefill {mix_n} steps {mix_t:.1f}s ({mix_pf} prefill tokens, "
+        f"{mix_t/max(mix_pf,1)*1e6:.1f} us/prefill token incl. their decodes); by batch: "
+        f"{RESULTS[f'runprof{tag}']['decode_by_batch']}")
+
+
+def fp8_throughput(max_num_seqs: int, fp8_kv: bool = False, kv_fraction: float = 0.85, budget: int = 8192) -> None:
     """1000 x 1000/1000 with the 8B shape's weights quantized to FP8 (W8A8, per-channel /
-    per-token scales, ``torch._scaled_mm``) right after the random init."""
+    per-token scales, ``torch._scaled_mm``) right after the random init; with ``fp8_kv`` also
+    an FP8 E4M3 KV cache (per-head scales of a fixed range: the weights are random)."""
     from kiln.runtime.model_runner import ModelRunner
     from kiln.runtime.quantization.gpu_bench import _quantize_dummy
 
@@ -209,14 +336,23 @@ def fp8_throughput(max_num_seqs: int) -> None:
     def patched(self, seed=0):
         orig(self, seed)
         _quantize_dummy(self.model, "fp8")
+        if fp8_kv:
+            from kiln.runtime.quantization import kv_fp8
+            hkv = self.model_config.num_key_value_heads
+            n = self.model_config.num_hidden_layers
+            kv_fp8.install_scales(self.model, kv_fp8.scale_tensors([(torch.full((hkv,), 4.0),) * 2] * n), self.device)
+            self.kv_cache_torch_dtype = kv_fp8.KV_DTYPE
 
     ModelRunner.init_dummy_weights = patched
     try:
-        llm = llama8b(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
+        llm = llama8b(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=4096,
+                      kv_cache_memory_fraction=kv_fraction)
     finally:
         ModelRunner.init_dummy_weights = orig
-    log(f"[load] llama-3.1-8b dummy fp8: {llm.engine.runner.num_kv_blocks} KV blocks")
-    throughput(llm, 1000, 1000, 1000, None, tag="fp8_")
+    tag = "fp8_fp8kv_" if fp8_kv else "fp8_"
+    log(f"[load] llama-3.1-8b dummy {tag}: {llm.engine.runner.num_kv_blocks} KV blocks "
+        f"({llm.engine.runner.kv_cache_dtype()}), max_num_seqs {max_num_seqs}, max_num_batched_tokens {budget}")
+    throughput(llm, 1000, 1000, 1000, None, tag=tag + f"s{max_num_seqs}_")
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -232,7 +368,8 @@ def throughput(llm, n, il, ol, peer_n: int | None, tag: str = "") -> None:
     RESULTS[key] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
     log(f"[tput] {tag}kiln {n} x {il}/{ol}: {r['output_tok_s']:.0f} out tok/s, {r['requests_s']:.2f} req/s, "
         f"TTFT p50 {r['ttft_p50_s']*1e3:.0f} ms p99 {r['ttft_p99_s']*1e3:.0f} ms, "
-        f"TPOT p50 {r['tpot_p50_s']*1e3:.1f} ms p99 {r['tpot_p99_s']*1e3:.1f} ms, wall {r['wall_s']:.1f}s")
+        f"TPOT p50 {r['tpot_p50_s']*1e3:.1f} ms p99 {r['tpot_p99_s']*1e3:.1f} ms, wall {r['wall_s']:.1f}s, "
+        f"{r['steps']} steps, {r['preemptions']} preemptions, {llm.engine.runner.num_kv_blocks} KV blocks")
     if peer_n:
         from kiln.runtime.bench import Workload
         sub = Workload(wl.prompts[:peer_n], wl.output_lens[:peer_n])
@@ -259,8 +396,12 @@ def main() -> int:
     ap.add_argument("--stage", default="all",
                     help="comma list: copy,equiv,b1,profile,tput,tput8b,fixed8b,peer1b,peer8b")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--fp8kv-max-num-seqs", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of the bf16 8B runs")
+    ap.add_argument("--kv-fraction", type=float, default=0.85, help="kv_cache_memory_fraction of the 8B runs")
     ap.add_argument("--peer-n", type=int, default=128, help="requests of the 1000/1000 subset for peer8b")
     ns = ap.parse_args()
+    KV_FRACTION[0] = ns.kv_fraction
     stages = set(ns.stage.split(",")) if ns.stage != "all" else {"copy", "equiv", "b1", "profile", "tput"}
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     bw = copy_bandwidth() if "copy" in stages else 4.2
@@ -273,11 +414,11 @@ def main() -> int:
         throughput(small, 256, 128, 128, 256)
         del small
         torch.cuda.empty_cache()
-    if stages & {"b1", "profile", "steps", "tput", "tput8b", "fixed8b"}:
+    if stages & {"b1", "profile", "steps", "tput", "tput8b", "fixed8b", "runprof", "runlog"}:
         t0 = time.perf_counter()
-        llm = llama8b(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
+        llm = llama8b(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.budget, max_model_len=4096)
         log(f"[load] llama-3.1-8b dummy bf16 ready in {time.perf_counter()-t0:.0f}s, "
-            f"{llm.engine.runner.num_kv_blocks} KV blocks")
+            f"{llm.engine.runner.num_kv_blocks} KV blocks, max_num_seqs {ns.max_num_seqs}")
         if "b1" in stages:
             batch1_decode(llm, bw)
         if "profile" in stages:
@@ -285,6 +426,10 @@ def main() -> int:
         if "steps" in stages:
             profile_steps(llm, 1, 128)
             profile_steps(llm, 256, 1500)
+        if "runprof" in stages:
+            run_profile(llm)
+        if "runlog" in stages:
+            run_profile(llm, prof_at=None, tag=f"_b{ns.budget}_s{ns.max_num_seqs}")
         if "tput8b" in stages:
             throughput(llm, 1000, 1000, 1000, None)
         if "fixed8b" in stages:
@@ -301,11 +446,13 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
     if "fp8tput" in stages:
-        fp8_throughput(ns.max_num_seqs)
+        fp8_throughput(ns.max_num_seqs, kv_fraction=ns.kv_fraction, budget=ns.budget)
+    if "fp8kvtput" in stages:
+        fp8_throughput(ns.fp8kv_max_num_seqs, fp8_kv=True, kv_fraction=ns.kv_fraction, budget=ns.budget)
     if "peer8b" in stages:
         # Kiln and transformers' continuous batching on the same subset of the 1000/1000
         # workload; a smaller KV pool leaves room for the peer's copy of the weights.
-        llm = llama8b(max_num_seqs=ns.peer_n, max_num_batched_tokens=8192, max_model_len=4096,
+        llm = llama8b(max_num_seqs=ns.peer_n, max_num_batched_tokens=ns.budget, max_model_len=4096,
                       kv_cache_memory_fraction=0.45)
         throughput(llm, ns.peer_n, 1000, 1000, ns.peer_n)
         del llm

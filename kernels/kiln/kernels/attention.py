@@ -86,11 +86,12 @@ def _paged_attn_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, cu_ptr,
     k_scale_ptr, k_scale_stride, k_scale_val, v_scale_ptr, v_scale_stride, v_scale_val,
-    sm_scale, num_seqs, head_dim, block_size,
+    sm_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt,
     stride_pt, stride_ph,  # partials: row (t, h, split) = t * stride_pt + h * stride_ph + split
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,  # head dim; KV cache block size (tokens)
     G: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, PART_STRIDE: tl.constexpr,
@@ -124,7 +125,7 @@ def _paged_attn_kernel(
     q_pos = ctx - q_len + q_local  # absolute position of each row's query token
 
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
+    d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
@@ -156,8 +157,8 @@ def _paged_attn_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
-        blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
-        off = (n % block_size).to(tl.int64)
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = (n % BLOCK_SIZE).to(tl.int64)
         k = tl.load(
             k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
             mask=n_ok[None, :] & d_ok[:, None], other=0.0,
@@ -337,13 +338,13 @@ def paged_attention(
         part_acc, part_m, part_l,
         block_tables, seq_lens, cu_seqlens_q,
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        float(scale), S, D, block_size,
+        float(scale), S,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         Hq * splits, splits,
-        G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
         K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -63,6 +63,7 @@ def run_kiln_offline(llm, wl: Workload) -> dict:
     # Warm up (kernels, allocator) outside the timed region.
     llm.generate([wl.prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
     _sync(llm)
+    steps0, pre0 = llm.engine.num_steps, llm.engine.scheduler.num_preemptions_total
     t0 = time.perf_counter()
     t0m = time.monotonic()
     outs = llm.generate(wl.prompts, params)
@@ -77,7 +78,8 @@ def run_kiln_offline(llm, wl: Workload) -> dict:
             tpot.append((o.metrics["last_token_time"] - o.metrics["first_token_time"]) / (n - 1))
     return {"engine": "kiln", "wall_s": wall, "output_tokens": n_out, "output_tok_s": n_out / wall,
             "requests_s": len(outs) / wall, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99), "steps": llm.engine.num_steps}
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99), "steps": llm.engine.num_steps - steps0,
+            "preemptions": llm.engine.scheduler.num_preemptions_total - pre0}
 
 
 def _sync(llm) -> None:
