@@ -15,7 +15,7 @@ import torch
 
 from kiln.runtime import build as build_mod
 from kiln.runtime.build import BadInputError, BuildError, add_build_args, build_engine, run_build
-from kiln.runtime.engine_format import EngineFormatError, open_engine
+from kiln.runtime.engine_format import EngineFormatError, manifest_digest, open_engine
 from kiln.runtime.enginespec import COMPLETE_MARKER, MANIFEST_FILENAME, BuildSpec, engine_hash
 
 METHODS = ["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq", "kv-fp8"]
@@ -265,21 +265,50 @@ def test_refuses_incomplete_and_edited_manifest(engine_copy):
         open_engine(engine_copy)
 
 
+def _write_manifest(engine: Path, m: dict) -> None:
+    """Write a manifest with a matching manifest_sha256, so the checks behind it are reached."""
+    m = dict(m)
+    m["manifest_sha256"] = manifest_digest(m)
+    (engine / MANIFEST_FILENAME).write_text(json.dumps(m))
+
+
 def test_refuses_short_hash_and_weights_outside_the_folder(engine_copy, tmp_path):
     m = json.loads((engine_copy / MANIFEST_FILENAME).read_text())
     good = dict(m)
     m["engine_hash"] = m["engine_hash"][:1]
-    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    _write_manifest(engine_copy, m)
     with pytest.raises(EngineFormatError, match="does not match its build spec"):
         open_engine(engine_copy)
     m = dict(good)
     m["weights"] = {"files": [{**good["weights"]["files"][0], "name": "../elsewhere.safetensors"}]}
-    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    _write_manifest(engine_copy, m)
     with pytest.raises(EngineFormatError, match="not a file inside"):
         open_engine(engine_copy)
     m["weights"] = "x"
-    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    _write_manifest(engine_copy, m)
     with pytest.raises(EngineFormatError, match="malformed weights"):
+        open_engine(engine_copy)
+
+
+def test_refuses_edited_model_config_and_modified_tokenizer(engine_copy):
+    m = json.loads((engine_copy / MANIFEST_FILENAME).read_text())
+    assert m["manifest_sha256"] == manifest_digest(m)
+    assert m["tokenizer_sha256"] and set(m["tokenizer_sha256"]) <= set(m["tokenizer_files"])
+    open_engine(engine_copy)
+    # the model config is not part of the engine hash; the manifest digest covers it
+    edited = json.loads(json.dumps(m))
+    edited["model"]["config"]["num_hidden_layers"] += 1
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(edited))
+    with pytest.raises(EngineFormatError, match="manifest.json was modified"):
+        open_engine(engine_copy)
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    name = sorted(m["tokenizer_sha256"])[0]
+    with open(engine_copy / name, "ab") as f:
+        f.write(b" ")
+    with pytest.raises(EngineFormatError, match="checksum mismatch for tokenizer file"):
+        open_engine(engine_copy)
+    (engine_copy / name).unlink()
+    with pytest.raises(EngineFormatError, match="tokenizer file .* is missing"):
         open_engine(engine_copy)
 
 

@@ -306,6 +306,10 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         "calibration": calib_info,
         "builder": {"version": BUILDER_VERSION, "torch": torch.__version__.split("+")[0], "device": dev.type},
     }
+    from .engine_format import manifest_digest, sha256_file  # noqa: PLC0415
+
+    manifest["tokenizer_sha256"] = {f: sha256_file(tmp / f) for f in tok_files if (tmp / f).is_file()}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

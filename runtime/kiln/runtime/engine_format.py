@@ -13,7 +13,8 @@ Layout of an engine folder (``<cache>/<engine hash>/``)::
     .kiln-complete       written last, before the folder is renamed into place
 
 ``open_engine(path)`` checks the format version, the completion marker, the engine hash
-against the recorded build spec, and every weight file's size and sha256 (set
+against the recorded build spec, the manifest's own sha256 (``manifest_sha256``: model config,
+quantization, file lists), and every weight and tokenizer file's size / sha256 (set
 ``KILN_ENGINE_VERIFY=0`` to skip the hashing on huge engines), and raises
 ``EngineFormatError`` with a message that says what to do.
 """
@@ -42,6 +43,16 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON without its own ``manifest_sha256`` key: covers
+    the model config, quantization settings and file lists that the engine hash does not."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    # Plain sorted-key JSON (the manifest holds floats, which canonical_json refuses; Python
+    # writes a float's shortest round-trip repr, so parse -> dump gives the same text).
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def spec_hash(build_spec: dict[str, Any], length: int = 16) -> str:
@@ -182,6 +193,9 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
     if len(h) < 16 or spec_hash(m["build_spec"], len(h)) != h:
         raise EngineFormatError(f"engine {p}: manifest's engine hash {h!r} does not match its build spec "
                                 f"(edited or corrupt manifest); rebuild it")
+    if "manifest_sha256" in m and manifest_digest(m) != m["manifest_sha256"]:
+        raise EngineFormatError(f"engine {p}: manifest.json was modified after the build (its sha256 does not "
+                                f"match manifest_sha256); rebuild it")
     if verify is None:
         verify = os.environ.get("KILN_ENGINE_VERIFY", "1") not in ("0", "false", "no")
     try:
@@ -207,4 +221,14 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
         if verify and sha256_file(fp) != digest:
             raise EngineFormatError(f"engine {p}: checksum mismatch for {name} (sha256 differs from the "
                                     f"manifest: corrupt or modified engine); rebuild it")
+    tok_sums = m.get("tokenizer_sha256") or {}
+    if not isinstance(tok_sums, dict):
+        raise EngineFormatError(f"engine {p}: malformed tokenizer_sha256 in the manifest; rebuild it")
+    for name, digest in tok_sums.items():
+        fp = p / str(name)
+        if Path(str(name)).name != name or not fp.is_file():
+            raise EngineFormatError(f"engine {p}: tokenizer file {name} is missing; rebuild it")
+        if verify and sha256_file(fp) != digest:
+            raise EngineFormatError(f"engine {p}: checksum mismatch for tokenizer file {name} (corrupt or "
+                                    f"modified engine); rebuild it")
     return Engine(p, m)
