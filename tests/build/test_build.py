@@ -201,6 +201,32 @@ def test_existing_foreign_output(tiny_model, tmp_path):
     assert (tmp_path / "e" / "something").read_text() == "x"
 
 
+def test_stale_temp_folders_of_killed_builds_are_removed(tiny_model, tmp_path):
+    """A build killed hard (SIGKILL) leaves its temporary folder; the next build next to it
+    removes folders of dead builders on this host and old ones, and keeps a live builder's."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    killed = tmp_path / ".e.tmp-killed"
+    live = tmp_path / ".e.tmp-live"
+    old = tmp_path / ".e.tmp-old"
+    for d, pid in ((killed, dead.pid), (live, os.getpid()), (old, None)):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+        if pid is not None:
+            (d / build_mod._BUILDER_MARKER).write_text(f"{host}\n{pid}\n")
+    os.utime(old, (1, 1))  # untouched for decades
+    res = build_engine(BuildSpec.from_cli(str(tiny_model)), str(tiny_model), tmp_path / "e", device="cpu")
+    assert res.status == "built"
+    assert not killed.exists() and not old.exists() and live.exists()
+    assert not (tmp_path / "e" / build_mod._BUILDER_MARKER).exists()
+    open_engine(tmp_path / "e")
+
+
 def test_race_loser_keeps_winner(tiny_engines, tiny_model, tmp_path, monkeypatch):
     """Another builder renames the same engine into place first: this one discards its copy."""
     spec = BuildSpec.from_cli(str(tiny_model), quantization="fp8", calibration_samples=4)

@@ -47,6 +47,10 @@ def test_bad_requests_leave_engine_usable(llm):
 
 
 def test_chat_message_validation(llm):
+    with pytest.raises(ValueError, match="must not be empty"):
+        llm.chat([])
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.chat([[{"role": "user", "content": "hi"}], []])
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "wizard", "content": "hi"}])
     with pytest.raises(ValueError, match="content"):

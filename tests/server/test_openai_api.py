@@ -115,6 +115,29 @@ def test_bad_input_gets_400(server, body, needle):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("message,needle", [
+    ({"role": "user"}, "needs a content"),
+    ({"role": "user", "content": None}, "needs a content"),
+    ({"role": "user", "content": [{"type": "text"}]}, '"text" field'),
+])
+def test_chat_message_without_content_gets_400(server, message, needle):
+    r = httpx.post(f"{server.v1}/chat/completions", json={"messages": [message], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_prompt_list_is_one_batch(server):
+    """A list of prompts runs as concurrent requests (each choice complete, one per prompt),
+    and a bad prompt in the list fails the whole request without leaving any running."""
+    r = httpx.post(f"{server.v1}/completions", json={"prompt": ["Hello"] * 6, "max_tokens": 3,
+                                                     "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 6 and len(set(texts)) == 1
+    r = httpx.post(f"{server.v1}/completions", json={"prompt": ["Hello", [10**9]], "max_tokens": 3}, timeout=60)
+    assert r.status_code == 400, r.text
+
+
 def test_malformed_json_gets_400(server):
     r = httpx.post(f"{server.v1}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

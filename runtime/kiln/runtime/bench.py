@@ -266,6 +266,28 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             proc.wait(timeout=30)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _ratio(text: str) -> float:
+    """argparse type: a length spread in [0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {v}")
+    return v
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """``kiln bench offline ...`` and ``kiln bench serve ...``."""
     from .cli import add_engine_args  # noqa: PLC0415
@@ -274,23 +296,23 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     off = sub.add_parser("offline", help="offline throughput of LLM.generate (+ transformers peer)")
     add_engine_args(off)
     for q in (off,):
-        q.add_argument("--num-prompts", type=int, default=64)
-        q.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-        q.add_argument("--output-len", type=int, default=128, help="generated tokens")
-        q.add_argument("--range-ratio", type=float, default=0.0, help="0 = fixed lengths; 0.5 = uniform +-50%%")
+        q.add_argument("--num-prompts", type=_positive_int, default=64)
+        q.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
+        q.add_argument("--output-len", type=_positive_int, default=128, help="generated tokens")
+        q.add_argument("--range-ratio", type=_ratio, default=0.0, help="0 = fixed lengths; 0.5 = uniform +-50%%")
         q.add_argument("--peer", choices=["none", "transformers", "transformers-cb"], default="none")
-        q.add_argument("--peer-batch-size", type=int, default=64)
+        q.add_argument("--peer-batch-size", type=_positive_int, default=64)
         q.add_argument("--json", default=None, help="write results here")
     off.set_defaults(func=cmd_offline)
     srv = sub.add_parser("serve", help="latency percentiles against a live server")
     srv.add_argument("--url", default=None, help="a running server (default: start `kiln serve` here)")
     srv.add_argument("--model", default=None)
-    srv.add_argument("--max-num-seqs", type=int, default=64)
-    srv.add_argument("--num-prompts", type=int, default=64)
-    srv.add_argument("--concurrency", type=int, default=16)
-    srv.add_argument("--input-len", type=int, default=128)
-    srv.add_argument("--output-len", type=int, default=64)
-    srv.add_argument("--range-ratio", type=float, default=0.5)
-    srv.add_argument("--vocab-size", type=int, default=49152)
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    srv.add_argument("--num-prompts", type=_positive_int, default=64)
+    srv.add_argument("--concurrency", type=_positive_int, default=16)
+    srv.add_argument("--input-len", type=_positive_int, default=128)
+    srv.add_argument("--output-len", type=_positive_int, default=64)
+    srv.add_argument("--range-ratio", type=_ratio, default=0.5)
+    srv.add_argument("--vocab-size", type=_positive_int, default=49152)
     srv.add_argument("--seed", type=int, default=0)
     srv.set_defaults(func=cmd_serve)

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import tempfile
@@ -178,12 +179,15 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
             raise BuildError(f"{out} exists and is not a complete engine with hash {h}; remove it or pick another --output")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(out, say)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        (tmp / _BUILDER_MARKER).write_text(f"{socket.gethostname()}\n{os.getpid()}\n")
     except OSError as e:
         raise BuildError(f"cannot write under {out.parent}: {e.strerror or e} (read-only or missing output location?)") from e
     try:
         _build_into(spec, model_src, tmp, h, device, say)
         say("finalizing")
+        (tmp / _BUILDER_MARKER).unlink(missing_ok=True)
         (tmp / COMPLETE_MARKER).write_text(f"{h}\n")
         for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
             f.chmod(0o644)
@@ -210,6 +214,38 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
     secs = time.perf_counter() - t0
     say(f"engine {h} written to {out} in {secs:.1f}s")
     return BuildResult(out, h, "built", secs)
+
+
+_BUILDER_MARKER = ".kiln-builder"  # "<host>\n<pid>\n" of the build writing a temporary folder
+STALE_TEMP_SECONDS = 24 * 3600
+
+
+def _remove_stale_temps(out: Path, say: Progress) -> None:
+    """Remove temporary folders that killed builds (SIGKILL, OOM, node loss) left next to
+    ``out``: those whose builder ran on this host and is gone, and any untouched for
+    ``STALE_TEMP_SECONDS`` (a builder on another host, e.g. another pod on the same volume, is
+    only judged by age).  Live builders' folders are kept, so racing builds stay safe."""
+    host = socket.gethostname()
+    for d in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            if not d.is_dir():
+                continue
+            stale = time.time() - d.stat().st_mtime > STALE_TEMP_SECONDS
+            marker = d / _BUILDER_MARKER
+            if not stale and marker.is_file():
+                m_host, m_pid = (marker.read_text().split() + ["", ""])[:2]
+                if m_host == host and m_pid.isdigit():
+                    try:
+                        os.kill(int(m_pid), 0)
+                    except ProcessLookupError:
+                        stale = True
+                    except PermissionError:
+                        pass  # alive, another user's
+            if stale:
+                shutil.rmtree(d, ignore_errors=True)
+                say(f"removed {d.name}, left by an interrupted build")
+        except OSError:
+            continue
 
 
 def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str, say: Progress) -> None:

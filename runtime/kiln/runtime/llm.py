@@ -84,7 +84,12 @@ class LLM:
         """Generate replies to one conversation or a list of them (chat template of the model)."""
         if not isinstance(messages, list):
             raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages must not be empty: give one conversation (a list of message dicts) "
+                             "or a list of them")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        if any(not isinstance(c, list) or not c for c in convs):
+            raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
         for conv in convs:
             for m in conv:
                 if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool") \

@@ -223,14 +223,16 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         base = f"cmpl-{uuid.uuid4().hex}"
-        gens = []
-        try:
-            for i, p in enumerate(prompts):
-                gens.append(await _start(p, params, f"{base}-{i}"))
-        except BaseException:
-            for g in gens:
-                await g.aclose()
-            raise
+        # Submit every prompt at once so they are batched together (not one after another).
+        started = await asyncio.gather(*(_start(p, params, f"{base}-{i}") for i, p in enumerate(prompts)),
+                                       return_exceptions=True)
+        errors = [g for g in started if isinstance(g, BaseException)]
+        if errors:
+            for g in started:
+                if not isinstance(g, BaseException):
+                    await g.aclose()
+            raise errors[0]
+        gens = list(started)
         model = req.model or engine.served_model_name
         # echo: the prompt's text before each choice's (decoded when given as token ids)
         echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo and engine.tokenizer else ""

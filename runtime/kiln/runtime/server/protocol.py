@@ -110,8 +110,12 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The message's text; parts of type "text" are concatenated.  Raises ValueError
-        for non-text parts (this runtime serves text models)."""
+        for non-text parts (this runtime serves text models), a text part without a string
+        ``text``, and a missing/null content outside assistant messages (OpenAI allows a
+        null content only on an assistant message that carries tool calls)."""
         if self.content is None:
+            if self.role != "assistant":
+                raise ValueError(f"a {self.role} message needs a content (a string or a list of text parts)")
             return ""
         if isinstance(self.content, str):
             return self.content
@@ -119,7 +123,9 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"unsupported content part type {part.get('type')!r}: only text is supported")
-            texts.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                raise ValueError('a content part of type "text" needs a string "text" field')
+            texts.append(part["text"])
         return "".join(texts)
 
 
