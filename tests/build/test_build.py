@@ -132,7 +132,7 @@ def test_group_size_must_divide(tiny_model, tmp_path, capsys):
     assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
     assert cli("--model", str(tiny_model), "--output", str(tmp_path / "e"), "--quantization", "int4-awq",
                "--group-size", "48") == 2
-    assert "groupSize" in capsys.readouterr().err
+    assert "--group-size: 48 is not one of" in capsys.readouterr().err
 
 
 def test_unsupported_architecture(tmp_path, capsys):

@@ -376,6 +376,22 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+# InferenceEngine field names in the (operator-shared) spec errors -> this CLI's flags
+_CLI_FLAGS = {"build.quantization": "--quantization", "build.groupSize": "--group-size",
+              "build.smoothquantAlpha": "--smoothquant-alpha", "build.kvCacheDtype": "--kv-cache-dtype",
+              "build.calibrationSamples": "--calibration-samples", "build.maxSeqLen": "--max-seq-len",
+              "build.maxBatchSize": "--max-batch-size", "build.maxNumTokens": "--max-num-tokens",
+              "model.checksum": "--source-checksum", "model": "--model"}
+
+
+def _cli_spelling(msg: str) -> str:
+    """A spec error as the CLI user spelled it: ``build.groupSize: ...`` -> ``--group-size: ...``."""
+    for field in sorted(_CLI_FLAGS, key=len, reverse=True):
+        if msg.startswith(field + ":"):
+            return _CLI_FLAGS[field] + msg[len(field):]
+    return msg
+
+
 def run_build(args: argparse.Namespace) -> int:
     """Run ``kiln build`` from parsed arguments; prints progress to stderr and the engine
     path to stdout.  Returns the exit code (0, 1 or 2; see the module doc)."""
@@ -387,7 +403,7 @@ def run_build(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
             checksum=args.source_checksum)
     except EngineSpecError as e:
-        print(f"kiln build: error: {e}", file=sys.stderr)
+        print(f"kiln build: error: {_cli_spelling(str(e))}", file=sys.stderr)
         return 2
     if getattr(args, "print_hash", False):
         print(spec.hash())

@@ -173,7 +173,7 @@ def load_hf_config_dict(src: ModelSource) -> dict:
     try:
         cfg = AutoConfig.from_pretrained(src.gguf_dir, gguf_file=src.gguf_name)
     except Exception as e:  # corrupt or truncated GGUF
-        raise ModelSourceError(f"cannot read GGUF {src.path}: {e}") from e
+        raise ModelSourceError(f"cannot read GGUF {src.path} (truncated or corrupt file?): {e}") from e
     return cfg.to_dict()
 
 
@@ -230,6 +230,6 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
             skeleton = AutoModelForCausalLM.from_config(hf_cfg)
         parsed = load_gguf_checkpoint(str(src.path), return_tensors=True, model_to_load=skeleton)
     except Exception as e:
-        raise ModelSourceError(f"cannot read GGUF weights from {src.path}: {e}") from e
+        raise ModelSourceError(f"cannot read GGUF weights from {src.path} (truncated or corrupt file?): {e}") from e
     for name, t in parsed["tensors"].items():
         yield name, torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
