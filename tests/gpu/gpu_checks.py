@@ -358,6 +358,66 @@ def fp8_throughput(max_num_seqs: int, fp8_kv: bool = False, kv_fraction: float =
     torch.cuda.empty_cache()
 
 
+def gemm_sweep(ms=(128, 192, 256, 320, 352, 384, 400, 416, 448, 480, 512, 640, 768, 1024, 4096), fp8: bool = False) -> None:
+    """bf16 cuBLAS ``F.linear`` TFLOP/s of the 8B shape's four weight GEMMs against the batch
+    size M (decode steps run at M = number of running sequences): which max_num_seqs keep the
+    GEMM tiles full.  CUDA graph of 16 calls rotating over weight copies (>= 256 MB, no L2 reuse)."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    res = {}
+    for name, (n, k) in shapes.items():
+        copies = max(2, (256 << 20) // (n * k * 2) + 1)
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        if fp8:  # what kiln.runtime.quantization.fp8 runs: _scaled_mm, rowwise scales (no activation quant)
+            ws = [w.to(torch.float8_e4m3fn) for w in ws]
+            w_scale = torch.ones(1, n, dtype=torch.float32, device="cuda")
+
+        def gemm(x, w):
+            if fp8:
+                return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+            return F.linear(x, w)
+
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            if fp8:
+                x = x.to(torch.float8_e4m3fn)
+                x_scale = torch.ones(m, 1, dtype=torch.float32, device="cuda")
+            calls = 16
+            for w in ws[:2]:
+                gemm(x, w)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(calls):
+                    gemm(x, ws[i % copies])
+            g.replay()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(4):
+                    g.replay()
+                t1.record()
+                torch.cuda.synchronize()
+                times.append(t0.elapsed_time(t1) / (4 * calls))
+            ms_ = sorted(times)[len(times) // 2]
+            tf = 2 * m * n * k / (ms_ * 1e-3) / 1e12
+            res[f"{name}_M{m}"] = {"us": ms_ * 1e3, "tflops": tf}
+            del g
+        del ws
+        torch.cuda.empty_cache()
+    for m in ms:
+        tot_us = sum(res[f"{nm}_M{m}"]["us"] for nm in shapes)
+        flops = 2 * m * sum(n * k for n, k in shapes.values())
+        log(f"[gemm{'-fp8' if fp8 else ''}] M={m:5d} " + " ".join(f"{nm} {res[f'{nm}_M{m}']['us']:7.1f}us/{res[f'{nm}_M{m}']['tflops']:4.0f}"
+                                           for nm in shapes)
+            + f" | layer {tot_us:7.1f} us {flops / tot_us / 1e6:5.0f} TFLOP/s, {tot_us / m * 1e3:6.1f} ns/token")
+    RESULTS["gemm_sweep_fp8" if fp8 else "gemm_sweep"] = res
+
+
 def throughput(llm, n, il, ol, peer_n: int | None, tag: str = "") -> None:
     from kiln.runtime.bench import build_hf_peer, make_workload, run_hf_continuous, run_kiln_offline
 
@@ -394,7 +454,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--stage", default="all",
-                    help="comma list: copy,equiv,b1,profile,tput,tput8b,fixed8b,peer1b,peer8b")
+                    help="comma list: copy,gemm,equiv,b1,profile,tput,tput8b,fixed8b,peer1b,peer8b")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--fp8kv-max-num-seqs", type=int, default=256)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of the bf16 8B runs")
@@ -405,6 +465,11 @@ def main() -> int:
     stages = set(ns.stage.split(",")) if ns.stage != "all" else {"copy", "equiv", "b1", "profile", "tput"}
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     bw = copy_bandwidth() if "copy" in stages else 4.2
+    fine = tuple(range(256, 784, 16)) + (1024, 4096)
+    if "gemm" in stages:
+        gemm_sweep(fine)
+    if "gemmfp8" in stages:
+        gemm_sweep(fine, fp8=True)
     if "equiv" in stages:
         greedy_equivalence()
     if "peer1b" in stages:

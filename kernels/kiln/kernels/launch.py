@@ -59,13 +59,16 @@ def row_warps(num_elements: int) -> int:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_context: Optional[int] = None) -> int:
     """Flash-decoding splits of the context so that the grid fills the GPU.
 
-    The largest power of two not above ``SMs * programs_per_sm / (num_seqs * num_kv_heads)``,
+    One split when ``num_seqs * num_kv_heads >= SMs * single_split_programs_per_sm``; else
+    the largest power of two not above ``SMs * programs_per_sm / (num_seqs * num_kv_heads)``,
     clamped to ``[min_splits, max_splits]`` (``tuning.DECODE_SPLIT``); with ``max_context``
     no split is shorter than ``min_tokens_per_split``.  Depends only on host ints, never on
     device data, so it is fixed for a CUDA graph captured at one batch size.
     """
     cfg = tuning.DECODE_SPLIT
     programs = max(num_seqs * num_kv_heads, 1)
+    if programs >= num_sms(device) * cfg["single_split_programs_per_sm"] and not interpreting():
+        return 1  # the grid fills the GPU many times over: a split only adds partials and a merge
     raw = num_sms(device) * cfg["programs_per_sm"] / programs
     splits = 1 << max(0, int(raw).bit_length() - 1) if raw >= 1 else 1
     splits = max(cfg["min_splits"], min(splits, cfg["max_splits"]))

@@ -31,7 +31,11 @@ ATTENTION = {
 #   B64 ctx4096: 1 split 71%, 2 -> 96.4%, 3 -> 96.6%, 4 -> 95.7%, 8 -> 92.3%
 #   B256 ctx1024: 1 -> 87.5%, 2 -> 91.0%, 4 -> 87.6%;  B8 ctx8192: 8 -> 87.0%, 9 -> 76.8%, 16 -> 84.1%
 #   B1 ctx4096: 16 -> 15.5 us, 32 -> 13.2 us (latency-bound: 16 MB)
-DECODE_SPLIT = {"programs_per_sm": 4, "min_splits": 2, "max_splits": 32, "min_tokens_per_split": 128}
+#   Contexts spread over 1,000-2,000 tokens (the 1000/1000 run; tests/gpu/attn_sweep.py,
+#   2026-12-01): B384: 1 split 591 us = 95.1%, 2 -> 611 us (92.0%); B256: 1 -> 407 us (91.8%),
+#   2 -> 415 us: once num_seqs x num_kv_heads >= 8 programs per SM, one split.
+DECODE_SPLIT = {"programs_per_sm": 4, "min_splits": 2, "max_splits": 32, "min_tokens_per_split": 128,
+                "single_split_programs_per_sm": 8}
 
 # Row-wise kernels (RMSNorm, rotary, KV write): warps by the row's element count.
 ROW_WARPS = [(1024, 4), (4096, 8), (1 << 30, 16)]

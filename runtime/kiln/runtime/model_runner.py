@@ -29,6 +29,24 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# Decode batch sizes whose weight GEMMs cuBLAS runs badly on the H200 (bf16, Llama-3.1-8B
+# shapes; tests/gpu/gpu_checks.py --stage gemm, 2026-12-01): a layer's four GEMMs take
+# 335 us at M = 400, 350 us at 416 and 488 us at 448 (gate_up alone 344 us), but 320 us at
+# 480 and 512.  No graph is captured at these sizes: such steps pad to the next bucket.
+SLOW_GEMM_BATCH_SIZES = frozenset({400, 416, 448})
+
+
+def decode_graph_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes (rows) of the captured decode graphs: 1, 2, 4, 8, then multiples of 16,
+    without ``SLOW_GEMM_BATCH_SIZES``; the largest is at least ``max_num_seqs`` (a step of
+    ``n`` sequences replays the smallest size >= n, its padded rows idle)."""
+    sizes = [b for b in [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16)) if b < max_num_seqs]
+    top = max_num_seqs
+    while top in SLOW_GEMM_BATCH_SIZES:
+        top += 16
+    return [b for b in sizes if b not in SLOW_GEMM_BATCH_SIZES] + [top]
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` picks CUDA when available, else CPU.  Raises ValueError for cuda without a GPU."""
     if device == "auto":
@@ -274,13 +292,13 @@ class ModelRunner:
     # -- CUDA graphs for decode ---------------------------------------------------------------
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture the forward pass of pure-decode batches for batch-size buckets
-        (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``) over persistent input
-        buffers, so a decode step is one graph replay instead of hundreds of launches
-        (nano-vllm / vLLM do the same).  Padded rows have ``seq_len`` 0 and slot -1."""
+        (``decode_graph_sizes``) over persistent input buffers, so a decode step is one graph
+        replay instead of hundreds of launches (nano-vllm / vLLM do the same).  Padded rows
+        have ``seq_len`` 0 and slot -1."""
         if self.device.type != "cuda" or not self.args.enable_cuda_graphs:
             return
-        max_bs = self.args.max_num_seqs
-        self.graph_bs = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 16, 16)) if b <= max_bs} | {max_bs})
+        self.graph_bs = decode_graph_sizes(self.args.max_num_seqs)
+        max_bs = self.graph_bs[-1]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         dev = self.device
         self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
