@@ -103,3 +103,45 @@ def test_logit_bias_moves_greedy_and_leaves_raw_logprobs():
     out = sample(logits.clone(), [_row(temperature=0.0, logit_bias={1: -100.0, 2: 3.0}, logprobs=1)])
     assert out.token_ids == [2]
     assert abs(out.logprobs[0][0] - torch.log_softmax(logits[0], -1)[2].item()) < 1e-6
+
+
+_MIXED = [dict(temperature=0.7), dict(temperature=1.0, top_k=3), dict(temperature=1.3, top_p=0.6),
+          dict(temperature=0.9, min_p=0.2), dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.05),
+          dict(temperature=2.0, top_k=40), dict(temperature=0.5, top_p=0.999)]
+
+
+def test_batched_filter_matches_per_row_filter():
+    from kiln.runtime.sampler import _filter, _filter_batch
+
+    torch.manual_seed(0)
+    logits = torch.randn(len(_MIXED), 40) * 3
+    params = [SamplingParams(**kw) for kw in _MIXED]
+    got = _filter_batch(logits.clone(), params)
+    for i, p in enumerate(params):
+        want = _filter(logits[i].clone(), p)
+        assert torch.equal(got[i] > 0, want > 0), f"row {i} ({_MIXED[i]}) keeps other tokens"
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-7)
+
+
+def test_unseeded_rows_are_drawn_together_from_the_filtered_distribution():
+    torch.manual_seed(1)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = probs.log().repeat(n, 1)
+    out = sample(logits.clone(), [_row(temperature=1.0, top_k=3) for _ in range(n)])
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
+    assert freq[3] == 0
+    torch.testing.assert_close(freq[:3], probs[:3] / probs[:3].sum(), atol=0.03, rtol=0)
+
+
+def test_mixed_batch_greedy_seeded_and_free_rows():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 30)
+    rows = [_row(temperature=0.0), _row(seed=7, temperature=0.8, top_p=0.9), _row(temperature=0.8),
+            _row(temperature=0.0), _row(seed=9, temperature=1.0, top_k=4), _row(temperature=1.2, min_p=0.1)]
+    out = sample(logits.clone(), rows).token_ids
+    assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()
+    # a seeded row gives the same token as when it is sampled alone
+    assert out[1] == sample(logits[1:2].clone(), [_row(seed=7, temperature=0.8, top_p=0.9)]).token_ids[0]
+    assert out[4] == sample(logits[4:5].clone(), [_row(seed=9, temperature=1.0, top_k=4)]).token_ids[0]
+    assert all(0 <= t < 30 for t in out)
