@@ -418,6 +418,35 @@ def gemm_sweep(ms=(128, 192, 256, 320, 352, 384, 400, 416, 448, 480, 512, 640, 7
     RESULTS["gemm_sweep_fp8" if fp8 else "gemm_sweep"] = res
 
 
+def sampler_timing(batch: int = 256, vocab: int = 128256) -> None:
+    """Wall time of one sampling step (``sample_on_device`` + reading the ids) for a batch of
+    Llama-3 logits: greedy, sampled rows drawn together (temperature 0.8, top-k 50, top-p
+    0.95), and the same rows each with a seed (drawn one by one, as before 2026-12-01)."""
+    from kiln.runtime.sampler import SamplingRow, sample_on_device
+    from kiln.runtime.sampling_params import SamplingParams
+
+    logits = torch.randn(batch, vocab, device="cuda") * 3
+    cases = {
+        "greedy": lambda: [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(batch)],
+        "sampled_batched": lambda: [SamplingRow(SamplingParams(temperature=0.8, top_k=50, top_p=0.95), [1], [], None)
+                                    for _ in range(batch)],
+        "sampled_seeded_per_row": lambda: [SamplingRow(SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i), [1], [],
+                                                       torch.Generator(device="cuda").manual_seed(i)) for i in range(batch)],
+    }
+    res = {}
+    for name, mk in cases.items():
+        rows = mk()
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sample_on_device(logits.clone(), rows).token_ids.tolist()
+            times.append(time.perf_counter() - t0)
+        res[name] = sorted(times[1:])[2] * 1e3
+        log(f"[sampler] batch {batch} vocab {vocab} {name}: {res[name]:.2f} ms/step")
+    RESULTS["sampler_ms"] = res
+
+
 def throughput(llm, n, il, ol, peer_n: int | None, tag: str = "") -> None:
     from kiln.runtime.bench import build_hf_peer, make_workload, run_hf_continuous, run_kiln_offline
 
@@ -470,6 +499,8 @@ def main() -> int:
         gemm_sweep(fine)
     if "gemmfp8" in stages:
         gemm_sweep(fine, fp8=True)
+    if "sampler" in stages:
+        sampler_timing()
     if "equiv" in stages:
         greedy_equivalence()
     if "peer1b" in stages:
