@@ -145,3 +145,13 @@ def test_mixed_batch_greedy_seeded_and_free_rows():
     assert out[1] == sample(logits[1:2].clone(), [_row(seed=7, temperature=0.8, top_p=0.9)]).token_ids[0]
     assert out[4] == sample(logits[4:5].clone(), [_row(seed=9, temperature=1.0, top_k=4)]).token_ids[0]
     assert all(0 <= t < 30 for t in out)
+
+
+def test_banned_tokens_are_never_chosen_but_raw_logprobs_keep_them():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0], [0.0, 6.0, 1.0, 0.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [1], [], None, banned_token_ids=[0]),
+            SamplingRow(SamplingParams(temperature=1.0, top_k=2, seed=3), [1], [], torch.Generator().manual_seed(3),
+                        banned_token_ids=[1, 99])]  # 99: outside the vocabulary, ignored
+    out = sample(logits.clone(), rows)
+    assert out.token_ids[0] == 1 and out.token_ids[1] in (0, 2, 3) and out.token_ids[1] != 1
+    assert out.logprobs[0][1][0][0] == 0  # the raw top-1 is still the banned token

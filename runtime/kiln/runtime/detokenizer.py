@@ -41,8 +41,9 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append a generated token.
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a generated token; ``check_stop=False`` skips the stop strings (before
+        ``min_tokens``).
 
         Returns:
             The stop string that matched (the text is then cut before it), else None.
@@ -60,6 +61,8 @@ class IncrementalDetokenizer:
             return None
         start = max(0, len(self.text) - self._holdback)
         self.text += new
+        if not check_stop:
+            return None
         for s in self.stop:
             idx = self.text.find(s, start)
             if idx != -1:

@@ -318,7 +318,16 @@ class LLMEngine:
                 hist = req.output_token_ids
                 if parent.params.has_penalties and req.num_output_placeholders:
                     hist = hist[: req.num_real_output_tokens]
-                rows[req.request_id] = SamplingRow(parent.params, parent.prompt_token_ids, hist, child.generator)
+                banned = None
+                if parent.params.min_tokens:
+                    # tokens generated before the one sampled now (async scheduling has already
+                    # appended this step's placeholder)
+                    before = len(req.output_token_ids) - (1 if self.scheduler.config.async_scheduling else 0)
+                    if before < parent.params.min_tokens:
+                        banned = list(parent.params.stop_token_ids)
+                        if not parent.params.ignore_eos:
+                            banned += sorted(self.eos_token_ids)
+                rows[req.request_id] = SamplingRow(parent.params, parent.prompt_token_ids, hist, child.generator, banned)
         return rows
 
     def _process(self, out: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
@@ -371,7 +380,13 @@ class LLMEngine:
             child.logprobs.append(tl)
             child.pending_logprobs.append(tl)
         status = None
-        if not params.ignore_eos and tok in self.eos_token_ids:
+        if req.num_real_output_tokens < params.min_tokens:  # no stop before min_tokens (EOS/stop ids are masked)
+            if params.detokenize:
+                child.detok.add_token(tok, check_stop=False)
+            if req.num_real_output_tokens >= req.max_tokens \
+                    or req.num_prompt_tokens + req.num_real_output_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        elif not params.ignore_eos and tok in self.eos_token_ids:
             status, child.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif tok in params.stop_token_ids:
             status, child.stop_reason = RequestStatus.FINISHED_STOPPED, tok

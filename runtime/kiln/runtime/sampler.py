@@ -25,6 +25,8 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded requests only
+    # Token ids that must not be sampled this step (EOS and stop ids before min_tokens).
+    banned_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -186,6 +188,10 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
             vals = vals.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else vals
             logits[i].index_add_(0, ids, vals)
 
+    banned = [(i, t) for i, r in enumerate(rows) for t in (r.banned_token_ids or ()) if 0 <= t < logits.shape[-1]]
+    if banned:  # min_tokens: after the raw logprobs, before greedy and sampling (vLLM's order)
+        idx = _index([i * logits.shape[-1] + t for i, t in banned], dev)
+        logits.view(-1).index_fill_(0, idx, float("-inf"))
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         chosen = logits.argmax(dim=-1)

@@ -30,6 +30,9 @@ class SamplingParams:
             generated tokens; 1.0 = off.
         stop: strings that end generation when they appear in the text (not included).
         stop_token_ids: token ids that end generation (not included in the text).
+        min_tokens: generate at least this many tokens before EOS, ``stop_token_ids`` or a
+            stop string may end the output (EOS and stop ids are masked out of the logits
+            until then; vLLM's ``min_tokens``).
         logit_bias: ``{token_id: bias}`` added to the logits before sampling (-100..100).
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: also return this many top log-probabilities per generated token (of the
@@ -54,6 +57,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
     # False: return token ids only (benchmarks, models without a tokenizer).
@@ -72,6 +76,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and not isinstance(self.max_tokens, bool) and isinstance(self.max_tokens, int) \
+                and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):

@@ -2,7 +2,7 @@
 
 Field names and meanings follow OpenAI's Completions and Chat Completions APIs, plus the
 extra sampling fields vLLM accepts (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``)."""
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -57,6 +58,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
