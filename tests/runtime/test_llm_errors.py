@@ -55,3 +55,15 @@ def test_chat_message_validation(llm):
         llm.chat([{"role": "wizard", "content": "hi"}])
     with pytest.raises(ValueError, match="content"):
         llm.chat([{"role": "user"}])
+
+
+def test_max_model_len_above_the_models_context_is_refused(tmp_path):
+    from kiln.runtime import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 2}))
+    with pytest.raises(ValueError, match="max_model_len 1024 is larger than the model's context length .512"):
+        LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=64, max_model_len=1024)
+    assert LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=64, max_model_len=512).engine.max_model_len == 512

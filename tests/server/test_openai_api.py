@@ -102,6 +102,8 @@ BAD = [
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
 ]
 
 
@@ -124,6 +126,29 @@ def test_chat_message_without_content_gets_400(server, message, needle):
     r = httpx.post(f"{server.v1}/chat/completions", json={"messages": [message], "max_tokens": 2}, timeout=30)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+])
+def test_chat_features_not_served_get_400(server, extra, needle):
+    r = httpx.post(f"{server.v1}/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = httpx.post(f"{server.v1}/chat/completions", timeout=60,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
+                          "tool_choice": "none", "response_format": {"type": "text"}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_min_tokens_over_http(server):
+    r = httpx.post(f"{server.v1}/completions", json={"prompt": "The capital of France is", "max_tokens": 12,
+                                                     "min_tokens": 12, "temperature": 0, "stop": ["."]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 12 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompt_list_is_one_batch(server):

@@ -77,6 +77,14 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def _check_max_model_len(args: EngineArgs, cfg: ModelConfig) -> None:
+    """Raises ValueError when ``max_model_len`` exceeds the model's context (vLLM refuses it
+    too: positions past the trained RoPE range give garbage), before any weight is loaded."""
+    if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {args.max_model_len} is larger than the model's context length "
+                         f"({cfg.max_position_embeddings} tokens, max_position_embeddings)")
+
+
 class LLMEngine:
     """Owns the tokenizer, scheduler and model runner.
 
@@ -96,6 +104,7 @@ class LLMEngine:
 
             eng = open_engine(args.engine)
             self.model_config: ModelConfig = eng.model_config
+            _check_max_model_len(args, self.model_config)
             self.tokenizer = eng.load_tokenizer()
             self.model_ref = eng.model_ref
             self.runner = ModelRunner(self.model_config, args)
@@ -104,6 +113,7 @@ class LLMEngine:
             src = loader.materialize_gguf(loader.resolve_source(args.model))
             self.model_ref = src.ref
             self.model_config = loader.load_model_config(src)
+            _check_max_model_len(args, self.model_config)
             self.tokenizer = loader.load_tokenizer(src)
             self.runner = ModelRunner(self.model_config, args)
             if args.load_format == "dummy":

@@ -138,8 +138,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Accepted so that a request using them is refused with a reason, not silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """Raises ValueError (-> HTTP 400) for out-of-range values and for what this server
+        does not do: tools (tool calling) and a ``response_format`` other than text."""
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported by this server")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
+                             "(structured output): only 'text'")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         lp = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs and not self.logprobs:
