@@ -215,6 +215,9 @@ class KVCacheManager:
             raise ValueError(f"allocate_slots: num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
         table = self._tables.get(rid)
+        if table and not new_computed_blocks \
+                and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return []  # the common decode step: the last block still has room
         hits = list(new_computed_blocks or ())
         if hits and table:
             raise ValueError(
