@@ -22,14 +22,23 @@ from kiln.kernels import paged_attention, paged_attention_ref
 from kiln.kernels.bench import copy_bandwidth, graph_time
 
 
-def make_problem(batch, lo, hi, Hq=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, fp8=False, seed=0):
+def make_problem(batch, lo, hi, Hq=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, fp8=False, seed=0,
+                 layout="nhd"):
+    """``layout`` "nhd": cache [num_blocks, block_size, Hkv, D] (a token's heads together);
+    "hnd": stored [num_blocks, Hkv, block_size, D] (a block's tokens of one head contiguous,
+    TensorRT-LLM's and vLLM's order) and passed as the permuted [num_blocks, block_size, Hkv, D]
+    view: the kernels take strides."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (batch,), generator=g, device="cuda")
     nblk = [math.ceil(int(n) / block_size) for n in lens.tolist()]
     num_blocks = sum(nblk) + 16
     store = torch.float8_e4m3fn if fp8 else dtype
-    k_cache = torch.empty(num_blocks, block_size, Hkv, D, device="cuda", dtype=store)
-    v_cache = torch.empty_like(k_cache)
+    if layout == "hnd":
+        k_cache = torch.empty(num_blocks, Hkv, block_size, D, device="cuda", dtype=store).permute(0, 2, 1, 3)
+        v_cache = torch.empty(num_blocks, Hkv, block_size, D, device="cuda", dtype=store).permute(0, 2, 1, 3)
+    else:
+        k_cache = torch.empty(num_blocks, block_size, Hkv, D, device="cuda", dtype=store)
+        v_cache = torch.empty_like(k_cache)
     for c in (k_cache, v_cache):  # fill in slices: a full-size float temporary would not fit
         for i in range(0, num_blocks, 65536):
             c[i:i + 65536] = (torch.randn(c[i:i + 65536].shape, device="cuda", generator=g, dtype=dtype)).to(store)
@@ -67,14 +76,18 @@ def main() -> None:
     ap.add_argument("--lo", type=int, default=1000)
     ap.add_argument("--hi", type=int, default=2000)
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--layout", default="nhd", choices=["nhd", "hnd"])
+    ap.add_argument("--quick", action="store_true", help="a few configs only (BLOCK_N 64/128, 4 warps, 1-3 stages, 1-2 splits)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     _, bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     grid = list(itertools.product([32, 64, 128], [2, 4], [1, 2, 3], [1, 2, 4]))
+    if ns.quick:
+        grid = list(itertools.product([64, 128], [4], [1, 2, 3], [1, 2]))
     for batch in [int(b) for b in ns.batch.split(",")]:
-        p, nbytes = make_problem(batch, ns.lo, ns.hi, fp8=ns.fp8)
+        p, nbytes = make_problem(batch, ns.lo, ns.hi, fp8=ns.fp8, layout=ns.layout)
         want = ref(p, 4)
         best = None
         for bn, warps, stages, splits in grid:
@@ -90,9 +103,9 @@ def main() -> None:
             rows.append(row)
             if best is None or ms < best["us"] / 1e3:
                 best = row
-            print(f"B{batch} ctx{ns.lo}-{ns.hi} BN{bn} w{warps} s{stages} splits{splits}: {ms * 1e3:8.1f} us "
+            print(f"{ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch} ctx{ns.lo}-{ns.hi} BN{bn} w{warps} s{stages} splits{splits}: {ms * 1e3:8.1f} us "
                   f"{pct:5.1f}% err {err:.1e}", flush=True)
-        print(f"BEST B{batch}: {best}", flush=True)
+        print(f"BEST {ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch}: {best}", flush=True)
         del p
         torch.cuda.empty_cache()
     if ns.json:

@@ -91,6 +91,48 @@ def greedy_equivalence() -> None:
     torch.cuda.empty_cache()
 
 
+def smollm2_equivalence(gguf_path: str, new_tokens: int = 24) -> None:
+    """Greedy outputs of Kiln on the GPU (Triton kernels, CUDA graphs, a 32-token step budget
+    so prompts are chunked and decodes share steps with prefill chunks) against transformers
+    loading the same SmolLM2-135M-Instruct GGUF (``gguf_file=``), on the 16 prompts of the CPU
+    correctness tests (tests/runtime/prompts.py: raw and chat-templated), float32 on both
+    sides; then bfloat16 on both sides (near-ties may differ there: reported, not required)."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.runtime import LLM, SamplingParams
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
+    from prompts import CHATS, RAW_PROMPTS  # noqa: PLC0415
+
+    d, name = os.path.split(gguf_path)
+    for dtype, tdt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        llm = LLM(model=gguf_path, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=2048)
+        tok = llm.engine.tokenizer
+        prompts = [list(tok.encode(p)) for p in RAW_PROMPTS]
+        for chat in CHATS:
+            t = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            prompts.append(list(t["input_ids"] if hasattr(t, "keys") else t))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                                    detokenize=False))
+        del llm
+        torch.cuda.empty_cache()
+        hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=tdt).cuda().eval()
+        match, first_div = 0, []
+        with torch.inference_mode():
+            for p, o in zip(prompts, outs):
+                inp = torch.tensor([p], device="cuda")
+                ref = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=2)[0, len(p):].tolist()
+                got = o.outputs[0].token_ids[: len(ref)]  # transformers stops at EOS
+                match += got == ref
+                first_div.append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None))
+        del hf
+        torch.cuda.empty_cache()
+        RESULTS[f"smollm2_greedy_equal_{dtype}"] = f"{match}/{len(prompts)}"
+        log(f"[smollm2] Kiln (GPU, graphs, chunked prefill) == transformers greedy, {dtype}: {match}/{len(prompts)}; "
+            f"first divergence per prompt: {first_div}")
+
+
 KV_FRACTION = [0.85]
 
 
@@ -489,6 +531,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of the bf16 8B runs")
     ap.add_argument("--kv-fraction", type=float, default=0.85, help="kv_cache_memory_fraction of the 8B runs")
     ap.add_argument("--peer-n", type=int, default=128, help="requests of the 1000/1000 subset for peer8b")
+    ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct GGUF for the smollm2 stage")
     ns = ap.parse_args()
     KV_FRACTION[0] = ns.kv_fraction
     stages = set(ns.stage.split(",")) if ns.stage != "all" else {"copy", "equiv", "b1", "profile", "tput"}
@@ -503,6 +546,8 @@ def main() -> int:
         sampler_timing()
     if "equiv" in stages:
         greedy_equivalence()
+    if "smollm2" in stages:
+        smollm2_equivalence(ns.gguf)
     if "peer1b" in stages:
         from kiln.runtime import LLM
         small = LLM(model="builtin:llama-3.2-1b", load_format="dummy", dtype="bfloat16", max_num_seqs=256,
