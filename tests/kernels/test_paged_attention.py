@@ -93,6 +93,80 @@ def test_large_block_ids_need_int64_offsets(decode):
     assert_close(out, ref, torch.float16)
 
 
+# ---------------------------------------------------------------------------------------
+# The CUDA-core decode kernel (decode_attention.py), selected with config={"kernel": "cuda_core"}.
+# BLOCK_N / num_warps shape its tile [T, W, R] even on the interpreter (W = num_warps
+# per-warp softmax states); prefetch 0/1/2 are its three loop variants.
+
+CUDA_CORE = [{"kernel": "cuda_core", "BLOCK_N": 16, "num_warps": 1, "prefetch": 1},
+             {"kernel": "cuda_core", "BLOCK_N": 32, "num_warps": 2, "prefetch": 2},
+             {"kernel": "cuda_core", "BLOCK_N": 64, "num_warps": 2, "prefetch": 0}]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA)
+def test_decode_cuda_core(heads, block_size, splits):
+    Hq, Hkv = heads
+    seq_lens = [1, 17, 64, 45, 0, 130]  # an idle slot (0) gets zeros
+    k_cache, v_cache, table = make_paged_kv(seq_lens, Hkv, 32, block_size, torch.float16)
+    q, cu = make_queries([1] * len(seq_lens), Hq, 32, torch.float16)
+    for cfg in CUDA_CORE:
+        out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=splits, config=cfg, max_query_len=1)
+        assert_close(out, ref, torch.float16)
+        assert torch.equal(out[4].cpu(), torch.zeros_like(out[4]).cpu())
+
+
+@pytest.mark.parametrize("scale_kind", ["float", "tensor", "per_head"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_cuda_core_fp8(scale_kind, splits):
+    Hq, Hkv, D = 16, 2, 64  # G = 8
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    seq_lens = [37, 20, 0, 70]
+    k_cache, v_cache, table = make_paged_kv(seq_lens, Hkv, D, 16, torch.float32)
+    k_cache = (k_cache * 8).to(torch.float8_e4m3fn)
+    v_cache = (v_cache * 8).to(torch.float8_e4m3fn)
+    ks, vs = _fp8_scales(scale_kind, Hkv)
+    q, cu = make_queries([1] * len(seq_lens), Hq, D, dtype)
+    for cfg in CUDA_CORE[:2]:
+        out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs, num_splits=splits, config=cfg)
+        assert_close(out, ref, dtype, factor=2)
+
+
+@pytest.mark.parametrize("head_dim", [40, 8])
+def test_decode_cuda_core_odd_head_dims(head_dim):
+    seq_lens = [23, 9]
+    k_cache, v_cache, table = make_paged_kv(seq_lens, 2, head_dim, 16, torch.float16)
+    q, cu = make_queries([1, 1], 6, head_dim, torch.float16)  # G = 3 (padded to 4)
+    for cfg in CUDA_CORE[:2]:
+        out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=2, config=cfg)
+        assert_close(out, ref, torch.float16)
+
+
+def test_decode_cuda_core_large_block_ids():
+    """Blocks past 2**31 elements into the pool: a 32-bit offset would wrap."""
+    Hkv, D, bs = 1, 16, 16
+    per_block = bs * Hkv * D
+    num_blocks = 2**31 // per_block + 40
+    seq_lens = [70, 33]
+    k_cache, v_cache, table = make_paged_kv(seq_lens, Hkv, D, bs, torch.float16, num_blocks=num_blocks, high_ids=True)
+    assert int(table[:, 0].min()) * per_block > 2**31
+    q, cu = make_queries([1, 1], 4, D, torch.float16)
+    for cfg in CUDA_CORE[:2]:
+        out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=2, config=cfg)
+        assert_close(out, ref, torch.float16)
+
+
+def test_decode_kernel_key():
+    """tuning's "kernel" key is overridable per call; an unknown name is an error."""
+    k_cache, v_cache, table = make_paged_kv([5], 2, 16, 16, torch.float32)
+    q, cu = make_queries([1], 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="kernel"):
+        _run(q, k_cache, v_cache, table, [5], cu, config={"kernel": "tensor"})
+    out, ref = _run(q, k_cache, v_cache, table, [5], cu, config={"kernel": "mma"})
+    assert_close(out, ref, torch.float32)
+
+
 def _fp8_scales(kind, Hkv):
     if kind == "none":
         return None, None
@@ -216,3 +290,22 @@ def test_gpu_fp8_real_size(scale_kind):
     q, cu = make_queries([1] * 32, 32, 128, torch.bfloat16)
     out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs)
     assert_close(out, ref, torch.bfloat16, factor=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_decode_cuda_core_real_size(fp8):
+    seq_lens = torch.randint(1, 4097, (64,)).tolist()
+    seq_lens[0], seq_lens[1], seq_lens[2] = 4096, 1, 0
+    k_cache, v_cache, table = make_paged_kv(seq_lens, 8, 128, 16, torch.float32 if fp8 else torch.bfloat16)
+    ks = vs = None
+    if fp8:
+        k_cache, v_cache = (k_cache * 8).to(torch.float8_e4m3fn), (v_cache * 8).to(torch.float8_e4m3fn)
+        ks, vs = _fp8_scales("per_head", 8)
+    q, cu = make_queries([1] * 64, 32, 128, torch.bfloat16)
+    for cfg in ({"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 32, "num_warps": 4, "prefetch": 2},
+                {"BLOCK_N": 32, "num_warps": 1, "prefetch": 0}):
+        for splits in (None, 1):
+            out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs, num_splits=splits,
+                            config=dict(cfg, kernel="cuda_core"))
+            assert_close(out, ref, torch.bfloat16, factor=2 if fp8 else 1)

@@ -18,6 +18,11 @@ One kernel, two launch modes behind one launcher (``paged_attention``):
   ``L - q_len + j`` and attends causally to keys ``0..L - q_len + j`` (cached prefix + the
   new tokens).
 
+Decode has a second kernel, ``decode_attention._decode_cuda_core_kernel`` (FMA dot products
+instead of ``tl.dot``, for small GQA groups and fp8 caches), chosen by the ``"kernel"`` key of
+``tuning.ATTENTION["decode"]`` / ``["decode_fp8"]`` (``"mma"`` or ``"cuda_core"``) or per
+call with ``config={"kernel": ...}``; it writes the same partials for the same merge.
+
 The inner loop is FlashAttention-2's (Dao 2023): online softmax in base 2 with running max
 ``m`` and sum ``l``, ``acc = acc * alpha + P @ V``; K/V tiles of BLOCK_N tokens are gathered
 through the block table one token row at a time (``block_tables[s, n // block_size]``,
@@ -39,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.decode_attention import paged_decode_cuda_core
 from kiln.kernels.launch import (
     Scale,
     attention_config,
@@ -266,7 +272,8 @@ def paged_attention(
         max_seq_len: optional upper bound of ``seq_lens``; lets the decode heuristic avoid
             splitting short contexts.  Must be a host int.
         config: override of the launch meta-parameters from ``tuning.ATTENTION``
-            (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``); for tuning.
+            (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; decode: ``kernel``
+            "mma" or "cuda_core", and the latter's ``prefetch``, ``maxnreg``); for tuning.
     Returns:
         ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
         unwritten.
@@ -303,7 +310,12 @@ def paged_attention(
 
     G = Hq // Hkv
     decode = max_query_len == 1 if max_query_len is not None else T == S
-    cfg = attention_config(("decode_fp8" if fp8 else "decode") if decode else "prefill")
+    kind = ("decode_fp8" if fp8 else "decode") if decode else "prefill"
+    cfg = attention_config(kind)
+    kernel = (config or {}).get("kernel", cfg.get("kernel", "mma")) if decode else "mma"
+    check(kernel in ("mma", "cuda_core"), f"unknown attention kernel {kernel!r} (expected 'mma' or 'cuda_core')")
+    if kernel == "cuda_core":  # launch parameters of its own (tuning.ATTENTION[kind + "_cuda_core"])
+        cfg = attention_config(kind + "_cuda_core")
     if config:
         cfg.update(config)
     BLOCK_D = max(16, next_power_of_2(D))
@@ -330,25 +342,29 @@ def paged_attention(
         part_l = part[:, BLOCK_D + 1]
     else:
         part_acc = part_m = part_l = out  # unused
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
+    if kernel == "cuda_core":
+        paged_decode_cuda_core(q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, seq_lens,
+                               cu_seqlens_q, ks, vs, scale, splits, BLOCK_D, part_stride, cfg)
+    else:
+        dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
 
-    _paged_attn_kernel[(grid0, Hkv, splits)](
-        q, k_cache, v_cache, out,
-        part_acc, part_m, part_l,
-        block_tables, seq_lens, cu_seqlens_q,
-        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        float(scale), S,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        Hq * splits, splits,
-        HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
-        K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+        _paged_attn_kernel[(grid0, Hkv, splits)](
+            q, k_cache, v_cache, out,
+            part_acc, part_m, part_l,
+            block_tables, seq_lens, cu_seqlens_q,
+            ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            float(scale), S,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            Hq * splits, splits,
+            HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
+            K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](
             out, part_acc, part_m, part_l,

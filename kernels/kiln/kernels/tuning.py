@@ -11,13 +11,20 @@ ATTENTION = {
     # decode: one query token per sequence, all G query heads of a KV head in one program
     # H200, B64 ctx4096 Hq32 Hkv8 D128 bf16, 2 splits: 267 us = 94.5% of copy BW; the same
     # with num_stages=3: 320 us (78.8%); BLOCK_N=128: 297 us; num_warps=8: 361 us.
-    "decode": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    # "kernel": "mma" (tensor-core tl.dot, attention._paged_attn_kernel) or "cuda_core"
+    # (FMA dot products, decode_attention.py; its launch parameters are the "*_cuda_core" entry).
+    "decode": {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     # decode over a float8_e4m3fn cache (bf16 queries): B64 ctx4096: 251 us, B256 ctx1536:
     # 378 us (50% of copy BW: as fast as the bf16 cache per token, not per byte); products in
     # float16 (fp8_f16_dot) beat bf16 products by 10-25%.  Tried without gain (2026-11-30):
     # converting in registers with inline PTX before the shared-memory round trip (252-395 us
     # over BLOCK_N 64-256, stages 1-2, 4/8 warps), V stored token-contiguous (569 us).
-    "decode_fp8": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "fp8_f16_dot": True},
+    "decode_fp8": {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "fp8_f16_dot": True},
+    # the CUDA-core decode kernel (decode_attention.py): BLOCK_N tokens per tile, split into
+    # num_warps warps with their own online-softmax state.  Not yet measured on the GPU
+    # (bench.py --decode-variants); to use it set "kernel": "cuda_core" above.
+    "decode_cuda_core": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "decode_fp8_cuda_core": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     # prefill / chunked prefill / mixed batches.  H200, 4 x 2048-token prompts, bf16:
     # 230 TFLOP/s; BLOCK_M=64/BLOCK_N=64: 192; BLOCK_M=128/BLOCK_N=64/8 warps: 220.
     "prefill": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
