@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--hi", type=int, default=2000)
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--layout", default="nhd", choices=["nhd", "hnd"])
+    ap.add_argument("--occupancy", action="store_true", help="BLOCK_N 64-256, 4/8 warps, 2-4 stages, maxnreg caps, 1 split")
     ap.add_argument("--quick", action="store_true", help="a few configs only (BLOCK_N 64/128, 4 warps, 1-3 stages, 1-2 splits)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
@@ -84,14 +85,18 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     grid = list(itertools.product([32, 64, 128], [2, 4], [1, 2, 3], [1, 2, 4]))
-    if ns.quick:
+    if ns.occupancy:  # fp8: more resident warps (8 warps, register caps, deeper pipelines)
+        grid = [(bn, w, st, 1, r) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) for r in (0, 128, 168)]
+    elif ns.quick:
         grid = list(itertools.product([64, 128], [4], [1, 2, 3], [1, 2]))
     for batch in [int(b) for b in ns.batch.split(",")]:
         p, nbytes = make_problem(batch, ns.lo, ns.hi, fp8=ns.fp8, layout=ns.layout)
         want = ref(p, 4)
         best = None
-        for bn, warps, stages, splits in grid:
+        for bn, warps, stages, splits, *reg in grid:
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            if reg and reg[0]:
+                cfg["maxnreg"] = reg[0]
             try:
                 err = ((run(p, 4, config=cfg, num_splits=splits).float() - want).norm() / want.norm()).item()
                 ms = graph_time([lambda: run(p, config=cfg, num_splits=splits)], target_ms=60)
@@ -103,7 +108,8 @@ def main() -> None:
             rows.append(row)
             if best is None or ms < best["us"] / 1e3:
                 best = row
-            print(f"{ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch} ctx{ns.lo}-{ns.hi} BN{bn} w{warps} s{stages} splits{splits}: {ms * 1e3:8.1f} us "
+            print(f"{ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch} ctx{ns.lo}-{ns.hi} BN{bn} w{warps} s{stages} "
+                  f"reg{cfg.get('maxnreg', '-')} splits{splits}: {ms * 1e3:8.1f} us "
                   f"{pct:5.1f}% err {err:.1e}", flush=True)
         print(f"BEST {ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch}: {best}", flush=True)
         del p

@@ -1,6 +1,8 @@
 """W4A16 GEMM against its torch reference (CPU: Triton interpreter, float16/float32; GPU: also
 bfloat16 and real Llama-3.1-8B shapes).  Also checks the runtime's packer and the kernel's
-reference agree on the format."""
+reference agree on the format, and the packed-half GEMV (``gemv2``): its f16x2 bit tricks in
+numpy, its fallback path (the interpreter runs the same lanes as the inline PTX) on every
+group size, M <= 4, chain length, split-K and ragged shape."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import torch
 
 from kernels_testutil import DEVICE, HAS_CUDA, rel_err
 
-from kiln.kernels.w4a16 import dequantize_ref, w4a16_gemm, w4a16_ref
+import numpy as np
+
+from kiln.kernels.w4a16 import choose_config, dequantize_ref, w4a16_gemm, w4a16_ref
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -54,6 +58,82 @@ def test_kernels_split_k_and_strided_input(kernel, split, bk, G):
     assert rel_err(out, w4a16_ref(x.contiguous(), qw, s, z)) < 1e-5
     again = w4a16_gemm(x, qw, s, z, config=cfg)  # the split counters were left at zero
     assert torch.equal(out, again)
+
+
+def test_f16x2_magic_numbers():
+    """The lane arithmetic of ``_h2_dequant`` (numpy float16): LOP3 of a packed word with
+    0x000F000F / 0x00F000F0 and 0x64006400 gives (1024 + q, ...) / (1024 + 16 q, ...); one FMA
+    with 1/16 (1/256) and the zero-point word gives (q - z) / 16 exactly; nibbles t, t + 4 share
+    a word (low, high lane)."""
+    from kiln.kernels import w4a16 as W
+
+    rng = np.random.default_rng(0)
+    p = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
+    z_lo, z_hi = rng.integers(0, 16, 512).astype(np.uint32), rng.integers(0, 16, 512).astype(np.uint32)
+    zz = z_lo | (z_hi << 16)
+    zc1 = zz | np.uint32(W._H2_ZC1.value & 0xFFFFFFFF)
+    zc2 = (zz << 4) | np.uint32(W._H2_ZC2.value & 0xFFFFFFFF)
+
+    def lanes(w):  # uint32 -> float64 [n, 2] (low, high)
+        return w.astype("<u4").view(np.float16).reshape(-1, 2).astype(np.float64)
+
+    def fma(a, b, c):  # exact product and sum, one float16 rounding (as fma.rn.f16x2)
+        return (lanes(a) * lanes(np.full_like(a, b)) + lanes(c)).astype(np.float16).astype(np.float64)
+
+    t = p >> 8
+    words = [fma((p & 0x000F000F) | 0x64006400, 0x2C002C00, zc1), fma((p & 0x00F000F0) | 0x64006400, 0x1C001C00, zc2),
+             fma((t & 0x000F000F) | 0x64006400, 0x2C002C00, zc1), fma((t & 0x00F000F0) | 0x64006400, 0x1C001C00, zc2)]
+    for i in range(4):
+        q_lo, q_hi = (p >> (4 * i)) & 0xF, (p >> (4 * i + 16)) & 0xF
+        np.testing.assert_array_equal(words[i][:, 0] * 16, q_lo.astype(np.float64) - z_lo)
+        np.testing.assert_array_equal(words[i][:, 1] * 16, q_hi.astype(np.float64) - z_hi)
+
+
+GEMV2_TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K,G,bn,bk,split,chain", [
+    (1, 64, 256, 32, 16, 128, 1, 8), (1, 48, 640, 128, 32, 256, 2, 8), (2, 40, 384, 64, 16, 128, 3, 4),
+    (3, 24, 320, 32, 16, 128, 2, 8), (4, 16, 512, 128, 16, 64, 4, 4), (1, 80, 1024, 64, 32, 128, 4, 8),
+])
+def test_gemv2_matches_reference(dtype, M, N, K, G, bn, bk, split, chain):
+    """The packed-half GEMV against the float32 reference: every group size (32: the two lanes of
+    a word in different groups), M = 1..4 (BLOCK_M 1, 2, 4 with masked rows), K and N not
+    multiples of the tile, split-K, both chain lengths, both x dtypes.  A wrong nibble order or
+    a missing zero point gives an error of order 1."""
+    qw, s, z = make_weight(N, K, G, seed=M + K)
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    cfg = {"KERNEL": "gemv2", "BLOCK_M": min(4, 1 << (M - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": bk,
+           "CHAIN": chain, "SPLIT_K": split, "num_warps": 1, "num_stages": 1}
+    ref = x.float() @ dequantize_ref(qw, s, z).t()
+    out = w4a16_gemm(x, qw, s, z, config=cfg)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert rel_err(out, ref) < GEMV2_TOL[dtype]
+    assert torch.equal(out, w4a16_gemm(x, qw, s, z, config=cfg))  # split counters back at zero
+
+
+def test_gemv2_strided_x_and_choice():
+    """A non-contiguous x is copied to the int64-word view; float32 x goes through float16;
+    ``choose_config`` picks gemv2 for float16/bfloat16 at M <= 2 and G % 32 == 0 only."""
+    N, K, G = 32, 256, 64
+    qw, s, z = make_weight(N, K, G, seed=3)
+    big = torch.randn(2, 2 * K, device=DEVICE).half()
+    x = big[:, ::2]
+    cfg = {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1,
+           "num_stages": 1}
+    ref = x.float() @ dequantize_ref(qw, s, z).t()
+    assert rel_err(w4a16_gemm(x, qw, s, z, config=cfg), ref) < GEMV2_TOL[torch.float16]
+    assert rel_err(w4a16_gemm(x.float(), qw, s, z, config=cfg), ref) < GEMV2_TOL[torch.float16]
+    dev = torch.device("cpu")
+    assert choose_config(1, N, K, G, dev, torch.bfloat16)["KERNEL"] == "gemv2"
+    assert choose_config(2, N, K, G, dev, torch.float16)["KERNEL"] == "gemv2"
+    assert choose_config(1, N, K, G, dev, torch.float32)["KERNEL"] == "gemv"
+    assert choose_config(1, N, K, 16, dev, torch.float16)["KERNEL"] == "gemv"
+    assert choose_config(4, N, K, G, dev, torch.float16, kernel="gemv2")["BLOCK_M"] == 4
+    assert choose_config(2, N, K, G, dev, torch.float16, kernel="gemv")["KERNEL"] == "gemv"
+    with pytest.raises(ValueError, match="gemv2"):
+        w4a16_gemm(x, *make_weight(N, K, 16, seed=3), config=cfg)
 
 
 def test_format_matches_runtime_packer():
@@ -103,6 +183,21 @@ def test_llama8b_shapes_bf16(M, N, K):
     qw, s, z = make_weight(N, K, 128)
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     assert rel_err(w4a16_gemm(x, qw, s, z), w4a16_ref(x, qw, s, z)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("N,K,G", [(6144, 4096, 128), (4096, 14336, 128), (4096, 4096, 32)])
+def test_llama8b_shapes_gemv2_inline_ptx(M, N, K, G):
+    """The inline-PTX path of gemv2 (the CPU runs only its fallback) on real shapes, bf16 and fp16."""
+    qw, s, z = make_weight(N, K, G)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(M, K, device=DEVICE, dtype=dtype)
+        cfg = choose_config(M, N, K, G, x.device, dtype, kernel="gemv2")
+        assert cfg["KERNEL"] == "gemv2"
+        ref = x.float() @ dequantize_ref(qw, s, z).t()
+        assert rel_err(w4a16_gemm(x, qw, s, z, config=cfg), ref) < GEMV2_TOL[dtype]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="float8 in Triton's CPU interpreter is not supported; GPU only")

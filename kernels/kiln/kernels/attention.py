@@ -273,7 +273,7 @@ def paged_attention(
             splitting short contexts.  Must be a host int.
         config: override of the launch meta-parameters from ``tuning.ATTENTION``
             (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; decode: ``kernel``
-            "mma" or "cuda_core", and the latter's ``prefetch``, ``maxnreg``); for tuning.
+            "mma" or "cuda_core"; ``maxnreg``, a register cap; cuda_core: ``prefetch``); for tuning.
     Returns:
         ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
         unwritten.
@@ -364,6 +364,7 @@ def paged_attention(
             NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
             K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
         )
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](

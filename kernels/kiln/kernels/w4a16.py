@@ -18,15 +18,41 @@ conversion, no per-weight scale).  Within one group ``sum_k (q - z) s x = 16 s s
 (16 + z) s sum x``, so the scale and zero point are applied once per group and column to the
 partial sums (two FMAs per 8 weights), not to each weight.
 
-Two kernels:
+Three kernels:
 
 * ``_gemv_kernel`` (small M, no tensor cores): a ``[BLOCK_M, BLOCK_K / 8, BLOCK_N]`` tile of
   FMAs per nibble into per-row accumulators, reduced over the rows once at the end.  At
   M = 1 the weight stream is the whole cost: it needs about 3 instructions per weight.
+* ``_gemv2_kernel`` (M <= 4, float16/bfloat16 x, G % 32 == 0; ``KERNEL: "gemv2"``): packed
+  half math, two weights per instruction.  The trick of FasterTransformer's
+  ``interleaved_numeric_conversion.h``, Marlin (Frantar et al., 2024, ``dequant``) and
+  LMDeploy's ``lop3``-based int4 converters (re-derived here, no code taken): one LOP3 of a packed
+  word with ``0x000F000F`` (or ``0x00F000F0``) and ``0x64006400`` gives the f16x2 pair
+  ``(1024 + q_t, 1024 + q_{t+4})`` (or ``1024 + 16 q``) for nibbles t and t + 4; one
+  ``fma.rn.f16x2`` with 1/16 (1/256) and the per-group word ``-(1024 + z) / 16``
+  (``-(64 + z) / 16``, built from z with integer ops) gives ``(q - z) / 16`` exactly, so the
+  offset and the zero point cost nothing extra (for G = 32 the two lanes are in different
+  groups: each lane gets its own z and scale).  x is read as int64 words and paired to the
+  same lane order (PRMT for float16; bfloat16 is widened and rounded to float16 with
+  ``cvt.rn.f16x2.f32``, once per step and thread, reused over the thread's 8-16 columns).
+  Then one HFMA2 per two weights and row of x into a float16 chain of at most 32 products per
+  lane (one 64-column block, ``CHAIN`` = 8 packed rows; 4 halves it), which is converted and
+  added, times the group's scale, into float32.  Per 8 weights: one shift, 4 LOP3, 4 + 4 M HFMA2;
+  offline sm_90 SASS of the loop (bf16 x, M = 1): 2.2 instructions per weight at BLOCK_N = 256,
+  2.0 at 512 (2.07 for float16 x), against 5.3 for ``_gemv_kernel``.  Precision: weights
+  ``(q - z)/16`` are exact, products and the 32-long chains are rounded to float16 (relative
+  error ~1e-3 against the float32 reference, at the size of bfloat16's own output rounding);
+  x is converted to float16, so |x| must stay below 65504 and a block's partial sum below that
+  too (activations of a working bf16 model are far below; float32 x is rounded to float16).
+  Why not bfloat16 math for bf16 x: ``0x4300 | q`` = 128 + q is exact too, but a chain in
+  ``fma.rn.bf16x2`` keeps 8 mantissa bits (~1 % error after 32 terms), and nibble pairs
+  shifted by 4 (``0x00F0``) leave its 7-bit mantissa; float16 with one conversion of x per
+  block is both more exact and fewer instructions.  Without ``ASM`` (CPU interpreter) the
+  same words are computed lane by lane with integer and float32 ops (same bits, same order).
 * ``_mma_kernel`` (larger M): eight ``tl.dot`` of depth ``BLOCK_K / 8`` per step on the same
   ``f`` values (exact in bf16/fp16), group correction on the fp32 dot result.
 
-Both split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
+All split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
 SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs, where each
 extra launch costs microseconds): every program writes its float32 partial tile, bumps a
 per-tile counter, and the last one to arrive adds the partials, writes ``y`` and resets the
@@ -175,6 +201,297 @@ def _gemv_kernel(
             pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
 
 
+# -- packed-half GEMV (M <= 4) --------------------------------------------------------------
+# f16x2 words travel as int32 tensors (one word = two float16 lanes, low lane first).  With
+# ASM the helpers below are one PTX instruction (or a few) per word; without it (the CPU
+# interpreter) they compute the same lanes with unpack / float32 math / round / repack.
+_H2_ONE_16TH = tl.constexpr(0x2C002C00)  # (1/16, 1/16)
+_H2_ONE_256TH = tl.constexpr(0x1C001C00)  # (1/256, 1/256)
+_H2_MAGIC = tl.constexpr(0x64006400)  # (1024, 1024): OR a nibble into the mantissa -> 1024 + q (or + 16 q)
+_H2_ZC1 = tl.constexpr(0xD400D400 - (1 << 32))  # (-64, -64) as int32; | z -> -(64 + z/16) = -(1024 + z)/16
+_H2_ZC2 = tl.constexpr(0xC400C400 - (1 << 32))  # (-4, -4) as int32; | (z << 4) -> -(4 + z/16) = -(64 + z)/16
+_HI16 = tl.constexpr(-65536)  # 0xFFFF0000
+
+_DEQUANT_ASM = tl.constexpr("""{
+.reg .b32 t, u, v;
+lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, $4, 8;
+lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $3, t, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 u, 0x2C002C00;
+mov.b32 v, 0x1C001C00;
+fma.rn.f16x2 $0, $0, u, $5;
+fma.rn.f16x2 $1, $1, v, $6;
+fma.rn.f16x2 $2, $2, u, $5;
+fma.rn.f16x2 $3, $3, v, $6;
+}""")
+
+_XPAIR_F16_ASM = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;")
+_XPAIR_BF16_ASM = tl.constexpr("""{
+.reg .b32 al, ah, bl, bh;
+shl.b32 al, $2, 16;
+and.b32 ah, $2, 0xFFFF0000;
+shl.b32 bl, $3, 16;
+and.b32 bh, $3, 0xFFFF0000;
+cvt.rn.f16x2.f32 $0, bl, al;
+cvt.rn.f16x2.f32 $1, bh, ah;
+}""")
+
+
+@triton.jit
+def _h2_lo(w):
+    """float32 value of the low float16 lane of int32 words ``w`` (fallback path)."""
+    return (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_hi(w):
+    """float32 value of the high float16 lane of int32 words ``w`` (fallback path)."""
+    return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_pack(lo, hi):
+    """int32 word of two float16 lanes (rounded from float32; fallback path)."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _h2_fma(a, b, c, ASM: tl.constexpr):
+    """``a * b + c`` per float16 lane (``fma.rn.f16x2``: one HFMA2)."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _h2_pack(_h2_lo(a) * _h2_lo(b) + _h2_lo(c), _h2_hi(a) * _h2_hi(b) + _h2_hi(c))
+
+
+@triton.jit
+def _h2_mul(a, b, ASM: tl.constexpr):
+    """``a * b`` per float16 lane (``mul.rn.f16x2``: starts a chain without zeroing it)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return _h2_pack(_h2_lo(a) * _h2_lo(b), _h2_hi(a) * _h2_hi(b))
+
+
+@triton.jit
+def _h2_dequant(p, zc1, zc2, ASM: tl.constexpr):
+    """Words ``((q_t - z_lo) / 16, (q_{t+4} - z_hi) / 16)`` for t = 0..3 (float16, exact) of the
+    packed int32 words ``p`` (nibble i = bits 4i..4i+3), given ``zc1 = -(1024 + z) / 16`` and
+    ``zc2 = -(64 + z) / 16`` per lane: one shift, four LOP3 and four HFMA2 per 8 weights."""
+    if ASM:
+        return tl.inline_asm_elementwise(_DEQUANT_ASM, "=r,=r,=r,=r,r,r,r", [p, zc1, zc2],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        t = (p >> 8) & 0xFFFFFF  # logical shift
+        u = tl.full(p.shape, _H2_ONE_16TH, tl.int32)
+        v = tl.full(p.shape, _H2_ONE_256TH, tl.int32)
+        w0 = _h2_fma((p & 0x000F000F) | _H2_MAGIC, u, zc1, False)  # (1024 + q) / 16 - (1024 + z) / 16
+        w1 = _h2_fma((p & 0x00F000F0) | _H2_MAGIC, v, zc2, False)  # (1024 + 16 q) / 256 - (64 + z) / 16
+        w2 = _h2_fma((t & 0x000F000F) | _H2_MAGIC, u, zc1, False)
+        w3 = _h2_fma((t & 0x00F000F0) | _H2_MAGIC, v, zc2, False)
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _x_pairs(a, b, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """From two words of x (``a = (x[k], x[k+1])``, ``b = (x[k'], x[k'+1])``, float16 or bfloat16)
+    the float16 words ``(x[k], x[k'])`` and ``(x[k+1], x[k'+1])``."""
+    if ASM:
+        if X_BF16:
+            return tl.inline_asm_elementwise(_XPAIR_BF16_ASM, "=r,=r,r,r", [a, b], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_XPAIR_F16_ASM, "=r,=r,r,r", [a, b], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+    else:
+        if X_BF16:
+            al = (a << 16).to(tl.float32, bitcast=True)
+            ah = (a & _HI16).to(tl.float32, bitcast=True)
+            bl = (b << 16).to(tl.float32, bitcast=True)
+            bh = (b & _HI16).to(tl.float32, bitcast=True)
+            return _h2_pack(al, bl), _h2_pack(ah, bh)
+        else:
+            return (a & 0xFFFF) | (b << 16), ((a >> 16) & 0xFFFF) | (b & _HI16)
+
+
+@triton.jit
+def _h2_to_f32(w, ASM: tl.constexpr):
+    """The two float16 lanes of ``w`` as float32 (two conversions)."""
+    if ASM:
+        return tl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                                         "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return _h2_lo(w), _h2_hi(w)
+
+
+@triton.jit
+def _h2_row(x0, x1, x2, x3, x4, x5, x6, x7, we0, we1, we2, we3, wo0, wo1, wo2, wo3, a, FIRST: tl.constexpr,
+            X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """One row of x against two packed rows of a 64-column block (``we*``: row 2 jj, ``wo*``:
+    row 2 jj + 1, from ``_h2_dequant``): eight HFMA2 into the float16 chain ``a`` (the first one
+    a multiply when ``FIRST``).  ``x<i>`` [RB, 1]: the int32 word of x holding block columns
+    ``8 i + 2 jj`` and ``8 i + 2 jj + 1``."""
+    xe, xo = _x_pairs(x0, x4, X_BF16, ASM)
+    if FIRST:
+        a = _h2_mul(we0, xe, ASM)
+    else:
+        a = _h2_fma(we0, xe, a, ASM)
+    a = _h2_fma(wo0, xo, a, ASM)
+    xe, xo = _x_pairs(x1, x5, X_BF16, ASM)
+    a = _h2_fma(we1, xe, a, ASM)
+    a = _h2_fma(wo1, xo, a, ASM)
+    xe, xo = _x_pairs(x2, x6, X_BF16, ASM)
+    a = _h2_fma(we2, xe, a, ASM)
+    a = _h2_fma(wo2, xo, a, ASM)
+    xe, xo = _x_pairs(x3, x7, X_BF16, ASM)
+    a = _h2_fma(we3, xe, a, ASM)
+    a = _h2_fma(wo3, xo, a, ASM)
+    return a
+
+
+@triton.jit
+def _h2_rows4(xr, mk, jp: tl.constexpr, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, acc,
+              FIRST: tl.constexpr, X_BF16: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    """One row of x against packed rows ``4 jp .. 4 jp + 3`` of a 64-column block (dequantized
+    words ``a*``, ``b*``, ``c*``, ``d*``).  ``xr`` [RB, 1]: the block's first int64 word of x
+    (four float16/bfloat16); word ``2 i + jp`` holds block columns ``8 i + 4 jp .. + 3``.
+    ``EVEN``: no masks (``mk`` all true)."""
+    v0 = _ld(xr + jp, mk, 0, EVEN)
+    v1 = _ld(xr + 2 + jp, mk, 0, EVEN)
+    v2 = _ld(xr + 4 + jp, mk, 0, EVEN)
+    v3 = _ld(xr + 6 + jp, mk, 0, EVEN)
+    v4 = _ld(xr + 8 + jp, mk, 0, EVEN)
+    v5 = _ld(xr + 10 + jp, mk, 0, EVEN)
+    v6 = _ld(xr + 12 + jp, mk, 0, EVEN)
+    v7 = _ld(xr + 14 + jp, mk, 0, EVEN)
+    acc = _h2_row(v0.to(tl.int32), v1.to(tl.int32), v2.to(tl.int32), v3.to(tl.int32), v4.to(tl.int32),
+                  v5.to(tl.int32), v6.to(tl.int32), v7.to(tl.int32), a0, a1, a2, a3, b0, b1, b2, b3, acc, FIRST,
+                  X_BF16, ASM)
+    acc = _h2_row((v0 >> 32).to(tl.int32), (v1 >> 32).to(tl.int32), (v2 >> 32).to(tl.int32),
+                  (v3 >> 32).to(tl.int32), (v4 >> 32).to(tl.int32), (v5 >> 32).to(tl.int32),
+                  (v6 >> 32).to(tl.int32), (v7 >> 32).to(tl.int32), c0, c1, c2, c3, d0, d1, d2, d3, acc, False,
+                  X_BF16, ASM)
+    return acc
+
+
+@triton.jit
+def _ld(ptrs, mask, other, EVEN: tl.constexpr):
+    """``tl.load`` that drops the mask when the tile is known to be in range (a masked load also
+    zero-fills its registers first: one more instruction per two registers)."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=other)
+
+
+@triton.jit
+def _h2_flush(acc, a, s_lo, s_hi, ASM: tl.constexpr):
+    """Add the float16 chain ``a`` into the float32 accumulator, each lane times its group's scale."""
+    lo, hi = _h2_to_f32(a, ASM)
+    return acc + s_lo * lo + s_hi * hi
+
+
+@triton.jit
+def _gemv2_kernel(
+    xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, SPLIT_K,
+    stride_xm, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHAIN: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, X_BF16: tl.constexpr,
+    ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr,
+):
+    # xw_ptr: x as int64 words [M, K / 4] (four float16/bfloat16 each), row stride stride_xm words.
+    # A step is RB = BLOCK_K / 64 blocks of 64 K columns x BLOCK_N columns of W; tile element
+    # (rb, n) walks the block's 8 packed rows, so each thread keeps one block row and reuses its
+    # x pairs across all its columns.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    RB: tl.constexpr = BLOCK_K // 64
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rb = tl.arange(0, RB)[:, None]  # [RB, 1]
+    n2 = offs_n[None, :]  # [1, BLOCK_N]
+    mask_n = n2 < N
+    m0 = pid_m * BLOCK_M
+    acc0 = tl.zeros((RB, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((RB, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((RB, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((RB, BLOCK_N), dtype=tl.float32)
+    h0 = tl.zeros((RB, BLOCK_N), dtype=tl.int32)  # float16 chains (each starts with a multiply)
+    h1 = tl.zeros((RB, BLOCK_N), dtype=tl.int32)
+    h2 = tl.zeros((RB, BLOCK_N), dtype=tl.int32)
+    h3 = tl.zeros((RB, BLOCK_N), dtype=tl.int32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    EVEN: tl.constexpr = EVEN_K and EVEN_N
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        kb = k0 + 64 * rb  # [RB, 1] first K column of the block row
+        mk = kb < K
+        mkn = mk & mask_n
+        g = kb // GROUP_SIZE
+        s_lo = _ld(s_ptr + g * stride_sg + n2 * stride_sn, mkn, 0.0, EVEN).to(tl.float32)
+        z = _ld(z_ptr + g * stride_zg + n2 * stride_zn, mkn, 0, EVEN).to(tl.int32)
+        if GROUP_SIZE == 32:  # nibbles 4..7 (the high lanes) are in the next group
+            s_hi = _ld(s_ptr + (g + 1) * stride_sg + n2 * stride_sn, mkn, 0.0, EVEN).to(tl.float32)
+            zz = z | (_ld(z_ptr + (g + 1) * stride_zg + n2 * stride_zn, mkn, 0, EVEN).to(tl.int32) << 16)
+        else:
+            s_hi = s_lo
+            zz = z * 0x10001
+        zc1 = zz | _H2_ZC1
+        zc2 = (zz << 4) | _H2_ZC2
+        q_base = qw_ptr + (kb // 8) * stride_qk + n2 * stride_qn
+        xr = xw_ptr + m0 * stride_xm + kb // 4  # [RB, 1]
+        for jp in tl.static_range(2):  # packed rows 4 jp .. 4 jp + 3 of the block
+            p = _ld(q_base + (4 * jp) * stride_qk, mkn, 0, EVEN)
+            a0, a1, a2, a3 = _h2_dequant(p, zc1, zc2, ASM)
+            p = _ld(q_base + (4 * jp + 1) * stride_qk, mkn, 0, EVEN)
+            b0, b1, b2, b3 = _h2_dequant(p, zc1, zc2, ASM)
+            p = _ld(q_base + (4 * jp + 2) * stride_qk, mkn, 0, EVEN)
+            c0, c1, c2, c3 = _h2_dequant(p, zc1, zc2, ASM)
+            p = _ld(q_base + (4 * jp + 3) * stride_qk, mkn, 0, EVEN)
+            d0, d1, d2, d3 = _h2_dequant(p, zc1, zc2, ASM)
+            h0 = _h2_rows4(xr, mk, jp, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, h0,
+                           (4 * jp) % CHAIN == 0, X_BF16, ASM, EVEN_K)
+            if BLOCK_M >= 2:
+                h1 = _h2_rows4(xr + stride_xm, mk & (m0 + 1 < M), jp, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
+                               d0, d1, d2, d3, h1, (4 * jp) % CHAIN == 0, X_BF16, ASM,
+                               EVEN_K and EVEN_M)
+            if BLOCK_M >= 3:
+                h2 = _h2_rows4(xr + 2 * stride_xm, mk & (m0 + 2 < M), jp, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2,
+                               c3, d0, d1, d2, d3, h2, (4 * jp) % CHAIN == 0, X_BF16, ASM,
+                               EVEN_K and EVEN_M)
+            if BLOCK_M >= 4:
+                h3 = _h2_rows4(xr + 3 * stride_xm, mk & (m0 + 3 < M), jp, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2,
+                               c3, d0, d1, d2, d3, h3, (4 * jp) % CHAIN == 0, X_BF16, ASM,
+                               EVEN_K and EVEN_M)
+            if (4 * jp + 4) % CHAIN == 0:  # end of a chain: into float32 (the next one starts with a multiply)
+                acc0 = _h2_flush(acc0, h0, s_lo, s_hi, ASM)
+                if BLOCK_M >= 2:
+                    acc1 = _h2_flush(acc1, h1, s_lo, s_hi, ASM)
+                if BLOCK_M >= 3:
+                    acc2 = _h2_flush(acc2, h2, s_lo, s_hi, ASM)
+                if BLOCK_M >= 4:
+                    acc3 = _h2_flush(acc3, h3, s_lo, s_hi, ASM)
+    # the weights were (q - z) / 16: the 16 comes back here
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    y = tl.where(rows == 0, 16.0 * tl.sum(acc0, axis=0)[None, :], 0.0)
+    if BLOCK_M >= 2:
+        y = tl.where(rows == 1, 16.0 * tl.sum(acc1, axis=0)[None, :], y)
+    if BLOCK_M >= 3:
+        y = tl.where(rows == 2, 16.0 * tl.sum(acc2, axis=0)[None, :], y)
+    if BLOCK_M >= 4:
+        y = tl.where(rows == 3, 16.0 * tl.sum(acc3, axis=0)[None, :], y)
+    _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
+            pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
+
+
 @triton.jit
 def _mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -264,6 +581,11 @@ def m_bucket(M: int) -> int:
     """The ``TUNED`` bucket of M (0 above 16)."""
     return 1 if M <= 1 else 2 if M == 2 else 4 if M <= 4 else 8 if M <= 8 else 16 if M <= 16 else 0
 
+# GEMV kernel forced for M <= 4 when no config is given ("", "gemv" or "gemv2"; see
+# ``choose_config``).  Benchmarks set it to time both kernels with the same callers; CUDA graphs
+# keep the kernel chosen when they were captured.
+SMALL_M_KERNEL = os.environ.get("KILN_W4A16_SMALL_M", "")
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _NUM_COUNTERS = 1 << 16
@@ -272,6 +594,16 @@ _NUM_COUNTERS = 1 << 16
 def _use_asm(x: torch.Tensor) -> bool:
     """Inline PTX on a real GPU (not under the CPU interpreter)."""
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _gemv2_x(x: torch.Tensor) -> torch.Tensor:
+    """x as int64 words [M, K / 4] (four float16/bfloat16; a view, no copy, for row-major x).
+    float32 x (tests) is rounded to float16 first; other layouts are copied."""
+    if x.dtype == torch.float32:
+        x = x.to(torch.float16)
+    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+        x = x.contiguous()
+    return x.view(torch.int64)
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
@@ -286,31 +618,51 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> dict:
+def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
+                  dtype: torch.dtype | None = None, kernel: str | None = None) -> dict:
     """Kernel, tile sizes, warps, stages and split-K for a problem.
 
-    ``TUNED`` first (H200 sweep).  Otherwise: M <= 2, the CUDA-core GEMV kernel with a 64-column
-    tile and enough K splits for about four programs per SM (the sweep's winners: 64 x 128,
-    split 4-8); M <= 64, the tensor-core kernel with a 16-row tile and the same split rule;
-    larger M, 128 x 128 tiles without a split.  Under the CPU interpreter: small tiles.
+    ``TUNED`` first (H200 sweep).  Otherwise: M <= 2, a CUDA-core GEMV kernel with enough K
+    splits for about four programs per SM (the packed-half ``gemv2`` for float16/bfloat16 x and
+    groups of 32k, else the float32 ``gemv``: 64 x 128 tiles, split 4-8 in the sweep); M <= 64,
+    the tensor-core kernel with a 16-row tile and the same split rule; larger M, 128 x 128
+    tiles without a split.  Under the CPU interpreter: small tiles.
+
+    ``kernel`` ("gemv" or "gemv2"; default ``SMALL_M_KERNEL``) forces the GEMV kernel for
+    M <= 4: ``TUNED``'s entry if it is that kernel, else that kernel's default.  ``gemv2``
+    falls back to ``gemv`` where it does not apply (float32 x, G % 32 != 0).
     """
+    gemv2_ok = dtype in (torch.float16, torch.bfloat16) and group_size % 32 == 0 and M <= 4
+    if kernel == "gemv2" and not gemv2_ok:
+        kernel = "gemv"
+    if kernel is not None and M > 4:
+        kernel = None
     tuned = TUNED.get((N, K, m_bucket(M)))
-    if tuned is not None and device.type == "cuda":
+    if tuned is not None and device.type == "cuda" and kernel in (None, tuned["KERNEL"]):
         return dict(tuned)
+    if kernel is None and M <= 2:
+        kernel = "gemv2" if gemv2_ok else "gemv"
+    bm = min(4, max(1, triton.next_power_of_2(M)))
     bk = 128 if group_size % 128 == 0 else 64
     if device.type != "cuda":
+        if kernel == "gemv2":
+            return {"KERNEL": "gemv2", "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_K": 128, "CHAIN": 8,
+                    "SPLIT_K": 2 if K >= 512 else 1, "num_warps": 1, "num_stages": 1}
         return {"KERNEL": "gemv" if M <= 4 else "mma", "BLOCK_M": min(16, max(1, triton.next_power_of_2(M))),
                 "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2 if K >= 512 else 1, "num_warps": 1, "num_stages": 1}
     sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def split_for(tiles: int) -> int:
+    def split_for(tiles: int, bk: int = bk, programs: int = 4 * sms, min_steps: int = 4) -> int:
         split = 1
-        while tiles * split < 4 * sms and K // (split * 2) >= 4 * bk and split < 16:
+        while tiles * split < programs and K // (split * 2) >= min_steps * bk and split < 16:
             split *= 2
         return split
 
-    if M <= 2:  # H200: the GEMV kernel wins at M = 1, 2, the tensor-core one from M = 4
-        return {"KERNEL": "gemv", "BLOCK_M": M, "BLOCK_N": 64, "BLOCK_K": bk,
+    if kernel == "gemv2":  # 128 columns x 4 blocks of 64 per step, >= 2 steps per split
+        return {"KERNEL": "gemv2", "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8,
+                "SPLIT_K": split_for(triton.cdiv(N, 128), 256, 2 * sms, 2), "num_warps": 4, "num_stages": 2}
+    if kernel == "gemv":  # H200: the GEMV kernel wins at M = 1, 2, the tensor-core one from M = 4
+        return {"KERNEL": "gemv", "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 64, "BLOCK_K": bk,
                 "SPLIT_K": split_for(triton.cdiv(N, 64)), "num_warps": 4, "num_stages": 2}
     if M <= 64:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
@@ -345,10 +697,12 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     G = K // scales.shape[0]
     if G % 8:
         raise ValueError(f"group size {G} must be a multiple of 8")
-    cfg = dict(config or choose_config(M, N, K, G, x.device))
+    cfg = dict(config or choose_config(M, N, K, G, x.device, x.dtype, SMALL_M_KERNEL or None))
     bk = cfg["BLOCK_K"]
     if bk % KBLOCK or (cfg["KERNEL"] == "mma" and bk < 128):
         raise ValueError(f"BLOCK_K {bk} must be a multiple of {KBLOCK} (and >= 128 for the mma kernel)")
+    if cfg["KERNEL"] == "gemv2" and (G % 32 or cfg["BLOCK_M"] > 4):
+        raise ValueError(f"the gemv2 kernel needs G % 32 == 0 and BLOCK_M <= 4, got G={G}, {cfg['BLOCK_M']}")
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
@@ -359,6 +713,17 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         cnt = _counters(x.device, grid[0] * grid[1])
     else:
         part = cnt = out
+    if cfg["KERNEL"] == "gemv2":
+        xw = _gemv2_x(x)
+        _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split, split,
+                            xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+                            qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
+                            GROUP_SIZE=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+                            CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=split > 1, NUM_STAGES=cfg["num_stages"],
+                            X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
+                            EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
+                            num_warps=cfg["num_warps"])
+        return out
     args = (x, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split, split,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
             qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1))

@@ -1,6 +1,12 @@
 """GPU measurements of the quantized paths (H200, Llama-3.1-8B shapes, random weights).
 
 ``python -m kiln.runtime.quantization.gpu_bench [--skip-decode] --json OUT``
+``python -m kiln.runtime.quantization.gpu_bench --only w4a16-variants [--decode-methods
+bf16,int4,int4-gemv2 --only w4a16-variants,decode] --json OUT``
+
+0. (``w4a16-variants``) The GEMV kernels side by side at M = 1, 2, 4: the float32 ``gemv``
+   (its ``TUNED`` config or default), the packed-half ``gemv2`` (a small sweep, best shown)
+   and bf16 cuBLAS, same graphs and weight copies as part 1; about a minute on an H200.
 
 1. W4A16 GEMM (``kiln.kernels.w4a16``) vs bf16 cuBLAS (``x @ W.T``) at M = 1, 2, 4, 8, 16 on
    the 8B projection shapes: a launch-config sweep per shape and M (compiled first in worker
@@ -139,6 +145,68 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -
     return rows
 
 
+GEMV2_SPACE = [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
+               for bn in (128, 256, 512) for bk, w in ((256, 4), (512, 8)) for st in (1, 2)]
+
+
+def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
+    """Old ``gemv`` vs packed-half ``gemv2`` vs bf16 cuBLAS per shape and M (bf16 x, group 128).
+    ``gemv2`` is swept over ``GEMV2_SPACE`` x ``splits`` (compiled in worker processes first);
+    every timed kernel is checked against the float32 reference."""
+    import multiprocessing as mp
+
+    from kiln.kernels.w4a16 import choose_config, w4a16_gemm, w4a16_ref
+
+    from . import int4
+
+    jobs = [(4096, 4096, M, dict(c, BLOCK_M=min(4, M), SPLIT_K=sp)) for M in ms for c in GEMV2_SPACE for sp in (1, 2)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(12) as pool:
+        pool.map(_warm, [jobs[i::12] for i in range(12)])
+    print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
+    rows = []
+    for name, (N, K) in SHAPES.items():
+        w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(max(2, (512 << 20) // (N * K * 2)))]
+        s, z = int4.quantize_params(w[0].float(), 128)
+        packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
+        q = [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+        nbytes = N * K / 2 + N * K // 128 * 3
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
+
+            def timed(c):
+                y = w4a16_gemm(x, packed["qweight"], packed["scales"], packed["qzeros"], c).float()
+                err = float((y - ref).norm() / ref.norm())
+                t = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], c) for p in q])
+                return t, err
+
+            old = choose_config(M, N, K, 128, x.device, x.dtype, kernel="gemv")
+            t_old, e_old = timed(old)
+            best = None
+            for c in GEMV2_SPACE:
+                for sp in splits:
+                    cfg = dict(c, BLOCK_M=min(4, M), SPLIT_K=sp)
+                    try:
+                        t = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], cfg)
+                                        for p in q[:16]], reps=5)
+                    except Exception:  # noqa: BLE001 - resources exceeded etc.
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+            t_new, e_new = timed(best[1])
+            t_bf16 = graph_time([lambda wi=wi: x @ wi.t() for wi in w])
+            rows.append({"shape": name, "N": N, "K": K, "M": M, "bf16_us": t_bf16 * 1e6,
+                         "gemv_us": t_old * 1e6, "gemv2_us": t_new * 1e6,
+                         "gemv_vs_bf16": t_bf16 / t_old, "gemv2_vs_bf16": t_bf16 / t_new,
+                         "gemv_GBps": nbytes / t_old / 1e9, "gemv2_GBps": nbytes / t_new / 1e9,
+                         "gemv_rel_err": e_old, "gemv2_rel_err": e_new, "gemv_config": old, "gemv2_config": best[1]})
+            print(json.dumps(rows[-1]), flush=True)
+        del w, q
+    return rows
+
+
 def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
     from triton.testing import do_bench
 
@@ -205,9 +273,13 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128) -> list
                 else:
                     prm.data.normal_(0.0, 0.02)
             if _m != "bf16":
-                _quantize_dummy(self.model, _m)
+                _quantize_dummy(self.model, _m.split("-")[0])
 
         ModelRunner.init_dummy_weights = patched
+        from kiln.kernels import w4a16
+
+        # "int4-gemv2" / "int4-gemv": force that GEMV kernel at M <= 4 (else TUNED / defaults)
+        w4a16.SMALL_M_KERNEL = method.split("-")[1] if method.startswith("int4-") else ""
         try:
             t0 = time.perf_counter()
             llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=8, num_kv_blocks=512,
@@ -229,6 +301,7 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128) -> list
             torch.cuda.empty_cache()
         finally:
             ModelRunner.init_dummy_weights = orig
+            w4a16.SMALL_M_KERNEL = ""
     return rows
 
 
@@ -236,11 +309,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--only", default="w4a16,fp8,decode")
-    p.add_argument("--decode-methods", default="bf16,int4,fp8")
+    p.add_argument("--only", default="w4a16,fp8,decode",
+                   help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), fp8, decode")
+    p.add_argument("--decode-methods", default="bf16,int4,fp8", help="bf16, int4, int4-gemv, int4-gemv2, fp8")
+    p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
     a = p.parse_args()
     only = set(a.only.split(","))
+    if a.w4a16_variants:
+        only.add("w4a16-variants")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "w4a16-variants" in only:
+        res["w4a16_variants"] = bench_w4a16_variants()
     if "w4a16" in only:
         res["w4a16"] = bench_w4a16()
     if "fp8" in only:
