@@ -19,10 +19,14 @@ ATTENTION = {
     # float16 (fp8_f16_dot) beat bf16 products by 10-25%.  Tried without gain (2026-11-30):
     # converting in registers with inline PTX before the shared-memory round trip (252-395 us
     # over BLOCK_N 64-256, stages 1-2, 4/8 warps), V stored token-contiguous (569 us).
-    "decode_fp8": {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "fp8_f16_dot": True},
+    # 2026-12-01, B384 contexts 1,000-2,000 (tests/gpu/attn_sweep.py --fp8 --occupancy): a
+    # register cap of 168 (200 uncapped) gives 447 us = 63.5% of copy BW vs 522 us (54.3%);
+    # cap 128: 460 us; BLOCK_N 64: 508 us.  The CUDA-core kernel: 619 us at best.
+    "decode_fp8": {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "fp8_f16_dot": True, "maxnreg": 168},
     # the CUDA-core decode kernel (decode_attention.py): BLOCK_N tokens per tile, split into
-    # num_warps warps with their own online-softmax state.  Not yet measured on the GPU
-    # (bench.py --decode-variants); to use it set "kernel": "cuda_core" above.
+    # num_warps warps with their own online-softmax state.  H200 (bench.py --decode-variants,
+    # 2026-12-01): slower than the mma kernel at every shape measured, bf16 and fp8 (B384
+    # ctx1500 fp8: best 619 us vs 508; bf16: 743 vs 563); to use it set "kernel": "cuda_core".
     "decode_cuda_core": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     "decode_fp8_cuda_core": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     # prefill / chunked prefill / mixed batches.  H200, 4 x 2048-token prompts, bf16:
