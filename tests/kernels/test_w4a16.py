@@ -213,3 +213,16 @@ def test_per_token_quant_fp8(T, K, dtype):
     assert torch.allclose(s, sr, rtol=1e-6, atol=0)
     deq, deqr = q.float() * s, qr.float() * sr
     assert rel_err(deq, deqr) < 1e-2 and rel_err(deq, x.float()) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_tuned_configs_every_group_size(M, N, K, G):
+    """What the runtime launches (``TUNED`` for the Llama-3.1-8B shapes, measured at group 128)
+    is right at every group size it may meet."""
+    qw, s, z = make_weight(N, K, G)
+    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
+    assert rel_err(w4a16_gemm(x, qw, s, z), w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.bfloat16]
