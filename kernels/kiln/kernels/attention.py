@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.decode_attention import paged_decode_cuda_core
+from kiln.kernels.decode_attention import _load_scale, paged_decode_cuda_core
 from kiln.kernels.launch import (
     Scale,
     attention_config,
@@ -73,17 +73,6 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _load_scale(ptr, stride, val, head, MODE: tl.constexpr):
-    """A KV dequantization scale: MODE 0 none (1.0), 1 the float ``val``, 2 ``ptr[head * stride]``."""
-    s = 1.0
-    if MODE == 2:
-        s = tl.load(ptr + head * stride).to(tl.float32)
-    elif MODE == 1:
-        s = val
-    return s
 
 
 @triton.jit

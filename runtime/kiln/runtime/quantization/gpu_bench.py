@@ -92,14 +92,23 @@ def _warm(jobs) -> int:
     return ok
 
 
+def _weight_copies(N: int, K: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """bf16 weights [N, K] and their int4 packing (group 128), each copied often enough to fill
+    >= 512 MB, so that calls rotating over the copies are not served from L2."""
+    from . import int4
+
+    w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, (512 << 20) // (N * K * 2)))]
+    s, z = int4.quantize_params(w[0].float(), 128)
+    packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
+    return w, [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+
+
 def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -> list[dict]:
     """Sweep the launch configs per shape and M bucket (filling ``TUNED``), check the winner
     against the reference, then time it against bf16 cuBLAS."""
     import multiprocessing as mp
 
     from kiln.kernels.w4a16 import TUNED, w4a16_gemm, w4a16_ref
-
-    from . import int4
 
     # the compiled variant depends on M's bucket, the config and split == 1 or not, not on the shape
     jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp)) for M in ms for cfg in _w4a16_space(M) for sp in (1, 2)]
@@ -109,11 +118,7 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -
     print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
     rows = []
     for name, (N, K) in SHAPES.items():
-        w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-             for _ in range(max(2, (512 << 20) // (N * K * 2)))]
-        s, z = int4.quantize_params(w[0].float(), 128)
-        packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
-        q = [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+        w, q = _weight_copies(N, K)
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             best = None
@@ -157,8 +162,6 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
 
     from kiln.kernels.w4a16 import choose_config, w4a16_gemm, w4a16_ref
 
-    from . import int4
-
     jobs = [(4096, 4096, M, dict(c, BLOCK_M=min(4, M), SPLIT_K=sp)) for M in ms for c in GEMV2_SPACE for sp in (1, 2)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(12) as pool:
@@ -166,11 +169,7 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
     print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
     rows = []
     for name, (N, K) in SHAPES.items():
-        w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-             for _ in range(max(2, (512 << 20) // (N * K * 2)))]
-        s, z = int4.quantize_params(w[0].float(), 128)
-        packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
-        q = [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+        w, q = _weight_copies(N, K)
         nbytes = N * K / 2 + N * K // 128 * 3
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
