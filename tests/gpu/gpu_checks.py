@@ -489,6 +489,49 @@ def sampler_timing(batch: int = 256, vocab: int = 128256) -> None:
     RESULTS["sampler_ms"] = res
 
 
+FP8_DECODE_CANDIDATES = [
+    {"heads_per_program": h, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "maxnreg": r}
+    for h, bn, w, st, r in [(1, 128, 4, 3, 168), (1, 128, 4, 3, None), (1, 128, 8, 3, None), (1, 256, 8, 2, None),
+                            (2, 64, 4, 3, 168), (2, 64, 4, 2, None), (2, 128, 8, 2, None),
+                            (4, 32, 4, 3, None), (4, 32, 4, 2, None), (4, 64, 8, 2, None), (4, 32, 8, 3, None)]
+]
+
+
+def pick_fp8_decode(batch: int = 512) -> None:
+    """Time the fp8-cache decode attention at the 1000/1000 run's shape (``batch`` sequences,
+    contexts 1,000-2,000) over ``FP8_DECODE_CANDIDATES`` (KV heads per program, tile, warps,
+    stages, register cap), check each against the reference, and make the fastest the
+    ``tuning.ATTENTION["decode_fp8"]`` entry for the rest of this process."""
+    from attn_sweep import make_problem, ref, run  # noqa: PLC0415
+    from kiln.kernels import tuning
+    from kiln.kernels.bench import graph_time
+
+    p, nbytes = make_problem(batch, 1000, 2000, fp8=True)
+    want = ref(p, 4)
+    base = dict(tuning.ATTENTION["decode_fp8"])
+    rows = []
+    for cand in FP8_DECODE_CANDIDATES:
+        cfg = dict(base)
+        cfg.pop("maxnreg", None)
+        cfg.update({k: v for k, v in cand.items() if v is not None})
+        try:
+            err = ((run(p, 4, config=cfg).float() - want).norm() / want.norm()).item()
+            ms = graph_time([lambda: run(p, config=cfg)], target_ms=60)
+        except Exception as e:  # out of resources: skip
+            log(f"[fp8pick] {cand}: {type(e).__name__} {str(e)[:80]}")
+            continue
+        rows.append((ms, err, cfg))
+        log(f"[fp8pick] B{batch} {cand}: {ms * 1e3:.1f} us, {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s, err {err:.1e}")
+    ok = [r for r in rows if r[1] < 2e-2]
+    best = min(ok, key=lambda r: r[0])
+    tuning.ATTENTION["decode_fp8"] = best[2]
+    RESULTS["fp8_decode_pick"] = {"us": best[0] * 1e3, "config": best[2],
+                                  "all": [(r[0] * 1e3, r[2]) for r in rows]}
+    log(f"[fp8pick] chosen {best[2]}: {best[0] * 1e3:.1f} us")
+    del p
+    torch.cuda.empty_cache()
+
+
 def throughput(llm, n, il, ol, peer_n: int | None, tag: str = "") -> None:
     from kiln.runtime.bench import build_hf_peer, make_workload, run_hf_continuous, run_kiln_offline
 
@@ -588,6 +631,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     if "fp8tput" in stages:
         fp8_throughput(ns.max_num_seqs, kv_fraction=ns.kv_fraction, budget=ns.budget)
+    if "fp8pick" in stages:
+        pick_fp8_decode(ns.fp8kv_max_num_seqs)
     if "fp8kvtput" in stages:
         fp8_throughput(ns.fp8kv_max_num_seqs, fp8_kv=True, kv_fraction=ns.kv_fraction, budget=ns.budget)
     if "peer8b" in stages:
