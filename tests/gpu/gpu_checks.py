@@ -489,18 +489,17 @@ def sampler_timing(batch: int = 256, vocab: int = 128256) -> None:
     RESULTS["sampler_ms"] = res
 
 
-FP8_DECODE_CANDIDATES = [
-    {"heads_per_program": h, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "maxnreg": r}
-    for h, bn, w, st, r in [(1, 128, 4, 3, 168), (1, 128, 4, 3, None), (1, 128, 8, 3, None), (1, 256, 8, 2, None),
-                            (2, 64, 4, 3, 168), (2, 64, 4, 2, None), (2, 128, 8, 2, None),
-                            (4, 32, 4, 3, None), (4, 32, 4, 2, None), (4, 64, 8, 2, None), (4, 32, 8, 3, None)]
+FP8_DECODE_CANDIDATES = [  # 2026-12-01 also tried: several KV heads per program (block-diagonal q tile), slower
+    {"BLOCK_N": bn, "num_warps": w, "num_stages": st, "maxnreg": r}
+    for bn, w, st, r in [(128, 4, 3, 168), (128, 4, 3, None), (128, 4, 2, 168), (128, 8, 3, None), (256, 8, 2, None),
+                         (64, 4, 3, 128)]
 ]
 
 
 def pick_fp8_decode(batch: int = 512) -> None:
     """Time the fp8-cache decode attention at the 1000/1000 run's shape (``batch`` sequences,
-    contexts 1,000-2,000) over ``FP8_DECODE_CANDIDATES`` (KV heads per program, tile, warps,
-    stages, register cap), check each against the reference, and make the fastest the
+    contexts 1,000-2,000) over ``FP8_DECODE_CANDIDATES`` (tile, warps, stages, register cap),
+    check each against the reference, and make the fastest the
     ``tuning.ATTENTION["decode_fp8"]`` entry for the rest of this process."""
     from attn_sweep import make_problem, ref, run  # noqa: PLC0415
     from kiln.kernels import tuning

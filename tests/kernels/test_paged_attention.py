@@ -117,37 +117,6 @@ def test_decode_cuda_core(heads, block_size, splits):
         assert torch.equal(out[4].cpu(), torch.zeros_like(out[4]).cpu())
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("heads,hpp", [((16, 4), 4), ((16, 4), 2), ((8, 8), 8), ((12, 4), 4)])
-def test_decode_several_kv_heads_per_program(heads, hpp, splits):
-    """``heads_per_program``: one program, a block-diagonal q tile over ``hpp`` KV heads (G = 4,
-    1, and 3 padded); idle slot, head dim 40 (masked)."""
-    Hq, Hkv = heads
-    seq_lens = [37, 0, 70, 16]
-    k_cache, v_cache, table = make_paged_kv(seq_lens, Hkv, 40, 16, torch.float16)
-    q, cu = make_queries([1] * len(seq_lens), Hq, 40, torch.float16)
-    out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=splits, config={"heads_per_program": hpp})
-    assert_close(out, ref, torch.float16)
-    assert float(out[1].abs().max()) == 0.0
-
-
-@pytest.mark.parametrize("scale_kind", ["float", "per_head"])
-def test_decode_several_kv_heads_per_program_fp8(scale_kind):
-    Hq, Hkv, D = 16, 4, 64
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
-    seq_lens = [37, 20, 70]
-    k_cache, v_cache, table = make_paged_kv(seq_lens, Hkv, D, 16, torch.float32)
-    k_cache = (k_cache * 8).to(torch.float8_e4m3fn)
-    v_cache = (v_cache * 8).to(torch.float8_e4m3fn)
-    ks, vs = _fp8_scales(scale_kind, Hkv)
-    q, cu = make_queries([1] * len(seq_lens), Hq, D, dtype)
-    out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs, num_splits=2,
-                    config={"heads_per_program": 4})
-    assert_close(out, ref, dtype, factor=2)
-    with pytest.raises(ValueError, match="heads_per_program 3"):
-        _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs, config={"heads_per_program": 3})
-
-
 @pytest.mark.parametrize("scale_kind", ["float", "tensor", "per_head"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_cuda_core_fp8(scale_kind, splits):

@@ -92,10 +92,9 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, PART_STRIDE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: run both products in float16 (one cvt from e4m3)
-    HPP: tl.constexpr = 1,  # decode: KV heads per program (block-diagonal q tile, see the launcher)
 ):
     pid = tl.program_id(0)
-    kvh = tl.program_id(1) * HPP  # first KV head of this program
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     # --- which sequence and which of its query tokens this program owns
@@ -112,35 +111,19 @@ def _paged_attn_kernel(
     ctx = tl.load(seq_lens_ptr + s)
 
     rows = tl.arange(0, BLOCK_M)
+    r_q = rows // G  # query token within the block
     r_h = rows % G  # query head within the group
-    if HPP == 1:
-        r_q = rows // G  # query token within the block
-        r_kv = rows * 0  # KV head within the program
-    else:  # decode, one query token: row r belongs to KV head kvh + r // G
-        r_q = rows * 0
-        r_kv = rows // G
     q_local = q_local0 + r_q
-    row_ok = (r_q < BLOCK_Q) & (r_kv < HPP) & (q_local < q_len)
+    row_ok = (r_q < BLOCK_Q) & (q_local < q_len)
     tok = (q_start + q_local).to(tl.int64)
-    head = (kvh + r_kv) * G + r_h
+    head = kvh * G + r_h
     q_pos = ctx - q_len + q_local  # absolute position of each row's query token
 
-    # columns: HPP head dims side by side (c_kv: which KV head, d: dim within the head)
-    c = tl.arange(0, HPP * BLOCK_D)
-    d = c % BLOCK_D
-    c_kv = c // BLOCK_D
+    d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    if HPP == 1:
-        row_col_ok = row_ok[:, None] & d_ok[None, :]
-        k_col = d
-        v_col = d
-    else:  # block-diagonal: row r only has the columns of its own KV head
-        row_col_ok = row_ok[:, None] & d_ok[None, :] & (c_kv[None, :] == r_kv[:, None])
-        k_col = c_kv * stride_kh + d
-        v_col = c_kv * stride_vh + d
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_col_ok, other=0.0,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
     if F16_DOT:
         q = q.to(tl.float16)
@@ -155,17 +138,13 @@ def _paged_attn_kernel(
         kv_lo = 0
         kv_hi = kv_end
 
-    if HPP == 1 or K_SCALE_MODE != 2:
-        k_scale = _load_scale(k_scale_ptr, k_scale_stride, k_scale_val, kvh, K_SCALE_MODE)
-        v_scale = _load_scale(v_scale_ptr, v_scale_stride, v_scale_val, kvh, V_SCALE_MODE)
-    else:  # per-head scales of several KV heads: one per row
-        k_scale = tl.load(k_scale_ptr + (kvh + r_kv) * k_scale_stride, mask=row_ok, other=1.0).to(tl.float32)[:, None]
-        v_scale = tl.load(v_scale_ptr + (kvh + r_kv) * v_scale_stride, mask=row_ok, other=1.0).to(tl.float32)[:, None]
+    k_scale = _load_scale(k_scale_ptr, k_scale_stride, k_scale_val, kvh, K_SCALE_MODE)
+    v_scale = _load_scale(v_scale_ptr, v_scale_stride, v_scale_val, kvh, V_SCALE_MODE)
     qk_scale = sm_scale * 1.4426950408889634 * k_scale  # base-2 softmax
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HPP * BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
@@ -176,9 +155,9 @@ def _paged_attn_kernel(
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = (n % BLOCK_SIZE).to(tl.int64)
         k = tl.load(
-            k_head + (blk * stride_kb + off * stride_kt)[None, :] + k_col[:, None],
+            k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
             mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-        )  # [HPP * BLOCK_D, BLOCK_N]
+        )  # [BLOCK_D, BLOCK_N]
         sc = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
         ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         sc = tl.where(ok, sc, float("-inf"))
@@ -188,9 +167,9 @@ def _paged_attn_kernel(
         p = tl.math.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
-            v_head + (blk * stride_vb + off * stride_vt)[:, None] + v_col[None, :],
+            v_head + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
             mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [BLOCK_N, HPP * BLOCK_D]
+        )  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
 
@@ -200,16 +179,13 @@ def _paged_attn_kernel(
         o = acc / l_safe[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=row_col_ok,
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
         prow = (tok * stride_pt + head * stride_ph + split) * PART_STRIDE  # row of [T * Hq * NUM_SPLITS]
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
-        if HPP == 1:
-            tl.store(part_acc_ptr + prow[:, None] + d[None, :], acc, mask=row_ok[:, None])
-        else:
-            tl.store(part_acc_ptr + prow[:, None] + d[None, :], acc, mask=row_col_ok)
+        tl.store(part_acc_ptr + prow[:, None] + d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -286,8 +262,7 @@ def paged_attention(
             splitting short contexts.  Must be a host int.
         config: override of the launch meta-parameters from ``tuning.ATTENTION``
             (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; decode: ``kernel``
-            "mma" or "cuda_core"; ``maxnreg``, a register cap; mma: ``heads_per_program``, KV
-            heads per program; cuda_core: ``prefetch``); for tuning.
+            "mma" or "cuda_core"; ``maxnreg``, a register cap; cuda_core: ``prefetch``); for tuning.
     Returns:
         ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
         unwritten.
@@ -334,16 +309,10 @@ def paged_attention(
         cfg.update(config)
     BLOCK_D = max(16, next_power_of_2(D))
     BLOCK_N = cfg["BLOCK_N"]
-    hpp = 1
     if decode:
-        # Several KV heads per program (G * hpp <= 16 query rows, a block-diagonal q tile): the
-        # 16-row tensor-core tile has G = 4 real rows per KV head, so 4 KV heads fill it and a
-        # program's per-tile work (block table, addresses, softmax) covers 4x the bytes.
-        hpp = int(cfg.get("heads_per_program", 1)) if kernel == "mma" else 1
-        check(hpp >= 1 and Hkv % hpp == 0, f"heads_per_program {hpp} must divide the {Hkv} KV heads")
         BLOCK_Q = 1
-        BLOCK_M = max(16, next_power_of_2(G * hpp))
-        splits = num_splits or decode_num_splits(S, Hkv // hpp, q.device, max_seq_len)
+        BLOCK_M = max(16, next_power_of_2(G))
+        splits = num_splits or decode_num_splits(S, Hkv, q.device, max_seq_len)
         grid0 = S
     else:
         BLOCK_M = max(cfg["BLOCK_M"], 16, next_power_of_2(G))
@@ -369,7 +338,7 @@ def paged_attention(
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
         f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
 
-        _paged_attn_kernel[(grid0, Hkv // hpp, splits)](
+        _paged_attn_kernel[(grid0, Hkv, splits)](
             q, k_cache, v_cache, out,
             part_acc, part_m, part_l,
             block_tables, seq_lens, cu_seqlens_q,
@@ -382,7 +351,7 @@ def paged_attention(
             Hq * splits, splits,
             HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
-            K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot, HPP=hpp,
+            K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
         )
