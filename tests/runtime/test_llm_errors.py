@@ -67,3 +67,24 @@ def test_max_model_len_above_the_models_context_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_model_len 1024 is larger than the model's context length .512"):
         LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=64, max_model_len=1024)
     assert LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=64, max_model_len=512).engine.max_model_len == 512
+
+
+def test_max_model_len_too_small_is_refused(tmp_path):
+    from kiln.runtime import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 2}))
+    for bad in (1, -5):
+        with pytest.raises(ValueError, match=f"max_model_len must be at least 2.*got {bad}"):
+            LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=64, max_model_len=bad)
+
+
+def test_min_tokens_beyond_the_context_is_refused(llm):
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="min_tokens .1000. is more than the 510 tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=None, min_tokens=1000))
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3

@@ -132,6 +132,8 @@ def test_chat_message_without_content_gets_400(server, message, needle):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
 ])
 def test_chat_features_not_served_get_400(server, extra, needle):
     r = httpx.post(f"{server.v1}/chat/completions",
@@ -149,6 +151,11 @@ def test_min_tokens_over_http(server):
                                                      "min_tokens": 12, "temperature": 0, "stop": ["."]}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 12 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{server.v1}/completions", json={"prompt": "Hi", "max_tokens": 2, "min_tokens": None}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.v1}/chat/completions", timeout=60,  # no max_tokens: what is left of the context
+                   json={"messages": [{"role": "user", "content": "Hi"}], "min_tokens": 10**6})
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"], r.text
 
 
 def test_prompt_list_is_one_batch(server):

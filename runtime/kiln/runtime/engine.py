@@ -78,8 +78,12 @@ class _Parent:
 
 
 def _check_max_model_len(args: EngineArgs, cfg: ModelConfig) -> None:
-    """Raises ValueError when ``max_model_len`` exceeds the model's context (vLLM refuses it
-    too: positions past the trained RoPE range give garbage), before any weight is loaded."""
+    """Raises ValueError when ``max_model_len`` is below 2 or exceeds the model's context (vLLM
+    refuses that too: positions past the trained RoPE range give garbage), before any weight
+    is loaded.  0 / None mean the default."""
+    if args.max_model_len is not None and (args.max_model_len < 0 or args.max_model_len == 1):
+        raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), "
+                         f"got {args.max_model_len}")
     if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {args.max_model_len} is larger than the model's context length "
                          f"({cfg.max_position_embeddings} tokens, max_position_embeddings)")
@@ -214,6 +218,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
                 f"and max_tokens is {max_tokens}, {n + max_tokens} in total")
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens this request can generate "
+                f"(maximum context length {self.max_model_len}, prompt {n} tokens)")
         need = -(-(n + 1) // self.args.block_size)
         if need > self.runner.num_kv_blocks:
             raise InvalidRequestError(

@@ -69,7 +69,9 @@ class AsyncEngine:
     async def warmup(self) -> None:
         """Run one real request through the engine (readiness means a step has run)."""
         ids = self.engine.tokenizer.encode("Hello") if self.engine.tokenizer is not None else [1]
-        async for _ in self.generate(ids or [0], SamplingParams(max_tokens=2, temperature=0.0), "warmup"):
+        ids = (ids or [0])[: max(1, self.engine.max_model_len - 2)]  # fits a tiny max_model_len
+        max_tokens = max(1, min(2, self.engine.max_model_len - len(ids)))
+        async for _ in self.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), "warmup"):
             pass
         self.ready = True
 

@@ -36,7 +36,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -58,7 +58,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
+            min_tokens=self.min_tokens or 0,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
@@ -141,13 +141,17 @@ class ChatCompletionRequest(_SamplingFields):
     # Accepted so that a request using them is refused with a reason, not silently ignored.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    functions: list[dict[str, Any]] | None = None  # the older spelling of tools
+    function_call: Union[str, dict[str, Any], None] = None
     response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values and for what this server
         does not do: tools (tool calling) and a ``response_format`` other than text."""
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by this server")
+        if self.tools or self.functions:
+            raise ValueError("tools / functions (function calling) are not supported by this server")
+        if self.function_call not in (None, "none", "auto"):
+            raise ValueError("function_call is not supported by this server")
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice is not supported by this server")
         if self.response_format and self.response_format.get("type", "text") != "text":
