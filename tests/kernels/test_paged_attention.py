@@ -177,10 +177,11 @@ def _fp8_scales(kind, Hkv):
     return (torch.linspace(0.01, 0.1, Hkv, device=DEVICE), torch.linspace(0.1, 0.02, Hkv, device=DEVICE))
 
 
+@pytest.mark.parametrize("words", [0, 2, 3])
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("scale_kind", ["none", "float", "tensor", "per_head"])
-def test_fp8_cache(scale_kind, decode):
-    Hq, Hkv, D = 8, 2, 32
+def test_fp8_cache(scale_kind, decode, words):
+    Hq, Hkv, D = 8, 2, 64  # fp8_words needs head_dim >= 64 (at 32 the launcher falls back to bytes)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16
     seq_lens = [37, 20]
     q_lens = [1, 1] if decode else [6, 20]
@@ -189,7 +190,9 @@ def test_fp8_cache(scale_kind, decode):
     v_cache = (v_cache * 8).to(torch.float8_e4m3fn)
     ks, vs = _fp8_scales(scale_kind, Hkv)
     q, cu = make_queries(q_lens, Hq, D, dtype)
-    out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs, num_splits=2 if decode else None)
+    cfg = {"fp8_words": words} if decode else {"fp8_words": words, "BLOCK_M": 16, "BLOCK_N": 16}
+    out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs,
+                    num_splits=2 if decode else None, config=cfg)
     assert_close(out, ref, dtype, factor=2)
 
 
@@ -280,16 +283,19 @@ def test_gpu_large_block_ids_real_heads():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("words", [0, 1, 2, 3])
 @pytest.mark.parametrize("scale_kind", ["float", "per_head"])
-def test_gpu_fp8_real_size(scale_kind):
+def test_gpu_fp8_real_size(scale_kind, words):
     seq_lens = torch.randint(1, 2049, (32,)).tolist()
     k_cache, v_cache, table = make_paged_kv(seq_lens, 8, 128, 16, torch.float32)
     k_cache = (k_cache * 8).to(torch.float8_e4m3fn)
     v_cache = (v_cache * 8).to(torch.float8_e4m3fn)
     ks, vs = _fp8_scales(scale_kind, 8)
     q, cu = make_queries([1] * 32, 32, 128, torch.bfloat16)
-    out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs)
-    assert_close(out, ref, torch.bfloat16, factor=2)
+    for splits in (None, 1):
+        out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, k_scale=ks, v_scale=vs, num_splits=splits,
+                        config={"fp8_words": words})
+        assert_close(out, ref, torch.bfloat16, factor=2)
 
 
 @pytest.mark.gpu

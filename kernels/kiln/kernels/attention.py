@@ -47,6 +47,7 @@ import triton.language as tl
 from kiln.kernels.decode_attention import _load_scale, paged_decode_cuda_core
 from kiln.kernels.launch import (
     Scale,
+    interpreting,
     attention_config,
     check,
     check_last_dim_contiguous,
@@ -76,6 +77,31 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_byte_to_f16(w, SHIFT: tl.constexpr):
+    """Byte ``SHIFT // 8`` of int32 words ``w`` read as float8_e4m3fn, as float16 (exact for
+    every finite value, subnormals included: the 7 exponent/mantissa bits move under float16's
+    and the bias difference 2**8 is one multiply; e4m3fn NaN is not preserved)."""
+    b = (w >> SHIFT) & 0xFF
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, PTX: tl.constexpr):
+    """Bytes 0..3 of int32 words ``w`` (four float8_e4m3fn values each) as four float16 tensors
+    of w's shape.  PTX: two ``cvt.rn.f16x2.e4m3x2`` per word (sm_89+); else integer
+    arithmetic (the interpreter, CPU tests)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        return (_e4m3_byte_to_f16(w, 0), _e4m3_byte_to_f16(w, 8), _e4m3_byte_to_f16(w, 16),
+                _e4m3_byte_to_f16(w, 24))
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -92,6 +118,8 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, PART_STRIDE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: run both products in float16 (one cvt from e4m3)
+    WORDS: tl.constexpr = 0,  # fp8 + F16_DOT: bit 0 reads K, bit 1 V as int32 words (see _e4m3_words_to_f16)
+    CVT_PTX: tl.constexpr = 0,  # WORDS conversion through PTX (GPU) instead of integer arithmetic
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -148,17 +176,44 @@ def _paged_attn_kernel(
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+    dw = tl.arange(0, BLOCK_D // 4)  # word i holds d = 4i .. 4i + 3
+    dw_ok = dw < HEAD_DIM // 4
+    if WORDS & 1:
+        k_words = k_head.to(tl.pointer_type(tl.int32), bitcast=True)
+        q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + 4 * dw[None, :]
+        q_ok = row_ok[:, None] & dw_ok[None, :]
+        q0 = tl.load(q_rows + 0, mask=q_ok, other=0.0).to(tl.float16)
+        q1 = tl.load(q_rows + 1, mask=q_ok, other=0.0).to(tl.float16)
+        q2 = tl.load(q_rows + 2, mask=q_ok, other=0.0).to(tl.float16)
+        q3 = tl.load(q_rows + 3, mask=q_ok, other=0.0).to(tl.float16)
+    if WORDS & 2:
+        v_words = v_head.to(tl.pointer_type(tl.int32), bitcast=True)
+        acc0 = tl.zeros([BLOCK_M, BLOCK_D // 4], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D // 4], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D // 4], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_D // 4], dtype=tl.float32)
 
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        sc = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+        if WORDS & 1:  # K as int32 words: four dots over the d residues (q split the same way)
+            kw = tl.load(
+                k_words + (blk * stride_kb + off * stride_kt)[None, :] // 4 + dw[:, None],
+                mask=n_ok[None, :] & dw_ok[:, None], other=0,
+            )  # [BLOCK_D // 4, BLOCK_N] int32
+            k0, k1, k2, k3 = _e4m3_words_to_f16(kw, CVT_PTX)
+            sc = tl.dot(q0, k0)
+            sc = tl.dot(q1, k1, sc)
+            sc = tl.dot(q2, k2, sc)
+            sc = tl.dot(q3, k3, sc) * qk_scale
+        else:
+            k = tl.load(
+                k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+            )  # [BLOCK_D, BLOCK_N]
+            sc = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
         ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         sc = tl.where(ok, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -166,13 +221,29 @@ def _paged_attn_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_head + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+        if WORDS & 2:
+            # V as int32 words (4 e4m3 each): word i of a row holds d = 4i..4i+3; four dots of
+            # [BLOCK_M, BLOCK_N] x [BLOCK_N, BLOCK_D // 4] accumulate the four d residues
+            vw = tl.load(
+                v_words + (blk * stride_vb + off * stride_vt)[:, None] // 4 + dw[None, :],
+                mask=n_ok[:, None] & dw_ok[None, :], other=0,
+            )  # [BLOCK_N, BLOCK_D // 4] int32
+            v0, v1, v2, v3 = _e4m3_words_to_f16(vw, CVT_PTX)
+            pp = p.to(q.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pp, v0)
+            acc1 = acc1 * alpha[:, None] + tl.dot(pp, v1)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pp, v2)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pp, v3)
+        else:
+            v = tl.load(
+                v_head + (blk * stride_vb + off * stride_vt)[:, None] + d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
 
+    if WORDS & 2:  # interleave the four residues back: column 4i + j = acc_j[:, i]
+        acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_M, BLOCK_D])
     acc = acc * v_scale
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -214,6 +285,13 @@ def _merge_splits_kernel(
 
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether an fp8 cache can be read as int32 words: head_dim, every stride and the base
+    address multiples of 4 bytes."""
+    return head_dim % 4 == 0 and all(
+        t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3]) for t in (k_cache, v_cache))
 
 
 def paged_attention(
@@ -262,7 +340,9 @@ def paged_attention(
             splitting short contexts.  Must be a host int.
         config: override of the launch meta-parameters from ``tuning.ATTENTION``
             (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; decode: ``kernel``
-            "mma" or "cuda_core"; ``maxnreg``, a register cap; cuda_core: ``prefetch``); for tuning.
+            "mma" or "cuda_core"; ``maxnreg``, a register cap; cuda_core: ``prefetch``; fp8
+            caches: ``fp8_f16_dot``, ``fp8_words`` 0-3, bit 0 K and bit 1 V read as int32
+            words and converted in registers); for tuning.
     Returns:
         ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
         unwritten.
@@ -337,6 +417,10 @@ def paged_attention(
     else:
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
         f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
+        words = int(cfg.get("fp8_words", 0)) if f16_dot else 0
+        check(words in (0, 1, 2, 3), f"fp8_words must be 0..3, got {words}")
+        if words and (BLOCK_D < 64 or not _words_ok(k_cache, v_cache, D)):
+            words = 0  # dots need >= 16 words; int32 views need 4-byte aligned rows (true for the runtime's caches)
 
         _paged_attn_kernel[(grid0, Hkv, splits)](
             q, k_cache, v_cache, out,
@@ -352,6 +436,7 @@ def paged_attention(
             HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
             K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
+            WORDS=words, CVT_PTX=bool(words) and q.is_cuda and not interpreting(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
         )

@@ -22,7 +22,15 @@ ATTENTION = {
     # 2026-12-01, B384 contexts 1,000-2,000 (tests/gpu/attn_sweep.py --fp8 --occupancy): a
     # register cap of 168 (200 uncapped) gives 447 us = 63.5% of copy BW vs 522 us (54.3%);
     # cap 128: 460 us; BLOCK_N 64: 508 us.  The CUDA-core kernel: 619 us at best.
-    "decode_fp8": {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "fp8_f16_dot": True, "maxnreg": 168},
+    # 2026-12-01 (session 5): V read as int32 words ("fp8_words": 2, attention.py): Triton 3.6
+    # otherwise loads the fp8 V operand from shared memory one byte per LDS (V is d-contiguous,
+    # the P @ V product pairs tokens); as words, 16-byte loads and 2 cvt per word (offline SASS:
+    # 42.8 -> 30.1 warp-instructions per (token, KV head), 200 -> 156 registers).  attn_sweep.py
+    # --fp8 --words: B384 447 -> 359 us (78.5% of copy BW), B512 466 us (80.2%); bytes vs words
+    # at the best config of each: 445.6 vs 354.5 us.  K as words too (3): no gain (359-385 us);
+    # BLOCK_N 256: 530-800 us; 8 warps: 560-1040 us; 2 splits: +5-10%.
+    "decode_fp8": {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "fp8_f16_dot": True,
+                   "fp8_words": 2, "maxnreg": 128},
     # the CUDA-core decode kernel (decode_attention.py): BLOCK_N tokens per tile, split into
     # num_warps warps with their own online-softmax state.  H200 (bench.py --decode-variants,
     # 2026-12-01): slower than the mma kernel at every shape measured, bf16 and fp8 (B384
