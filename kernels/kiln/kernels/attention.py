@@ -31,7 +31,13 @@ converted in registers; the K scale is folded into the softmax scale and the V s
 the output (a program sees one KV head, so per-head scales are scalars).  With a bf16 query
 the two products then run in float16 (one conversion from e4m3; measured 10-25% faster than
 bf16 products on the H200), so query values must stay under 65504 in magnitude; pass
-``config={"fp8_f16_dot": False}`` to keep bf16 products.
+``config={"fp8_f16_dot": False}`` to keep bf16 products.  With ``fp8_words`` (bit 1: V, the
+decode default; bit 0: K) the cache is read as int32 words of four e4m3 values and each word
+is converted by one op with four float16 results (``_e4m3_words_to_f16``); the four results
+are four operands of four ``tl.dot`` over the d residues ``4i + j`` (q split the same way for
+K; the V outputs interleaved back at the end).  Triton keeps a multi-result op in the layout
+the words were loaded in, instead of loading the fp8 operand byte by byte in the mma layout
+(measured on the H200: decode B384 447 -> 359 us; docs/benchmarks.md).
 
 Reference: ``reference.paged_attention_ref``.
 """
