@@ -221,6 +221,22 @@ def test_streamed_logprobs_cover_every_token(client):
     assert "".join(c.choices[0].text for c in chunks) == full.text
 
 
+def test_completion_text_offset(client):
+    """text_offset[i] is where token i's text starts in the choice's text, the same streamed
+    and not (echo with logprobs would need prompt logprobs: a 400)."""
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="The capital of France is", max_tokens=10,
+              temperature=0, logprobs=1)
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    assert lp.text_offset[0] == 0 and len(lp.text_offset) == len(lp.tokens)
+    for i in range(1, len(lp.tokens)):
+        assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+    assert "".join(lp.tokens) == full.text  # plain ASCII text: tokens spell it
+    streamed = [o for c in client.completions.create(stream=True, **kw)
+                for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
+    assert streamed == lp.text_offset
+
+
 def test_stream_n_sends_one_finish_per_choice(client):
     for stream_chat in (False, True):
         if stream_chat:

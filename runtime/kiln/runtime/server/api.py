@@ -247,7 +247,8 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             for c in out.outputs:
                 ctoks += len(c.token_ids)
                 choices.append({"index": pi * params.n + c.index, "text": echoes[pi] + c.text,
-                                "logprobs": _completion_logprobs(c.logprobs, engine) if req.logprobs is not None else None,
+                                "logprobs": (_completion_logprobs(c.logprobs, engine, len(echoes[pi]))
+                                             if req.logprobs is not None else None),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices,
@@ -268,6 +269,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         remaining = len(gens)
         finished_sent: set[int] = set()
+        offsets: dict[int, int] = {}  # choice index -> characters of its text so far (for text_offset)
         try:
             for pi, text in enumerate(echoes):
                 for i in range(n if text else 0):
@@ -294,9 +296,14 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                         continue
                     if final:
                         finished_sent.add(idx)
+                    lp_obj = None
+                    if req.logprobs is not None:
+                        lp_obj = _completion_logprobs(c.delta_logprobs, engine, offsets.get(idx, len(echoes[pi])))
+                        if lp_obj is not None and lp_obj["tokens"]:
+                            offsets[idx] = lp_obj["text_offset"][-1] + len(lp_obj["tokens"][-1])
                     chunk = {"id": base, "object": "text_completion", "created": created_ts, "model": model,
                              "choices": [{"index": idx, "text": c.delta_text,
-                                          "logprobs": _completion_logprobs(c.delta_logprobs, engine) if req.logprobs is not None else None,
+                                          "logprobs": lp_obj,
                                           "finish_reason": c.finish_reason if final else None}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
             if req.stream_options and req.stream_options.include_usage:
@@ -384,15 +391,23 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _completion_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine) -> dict[str, Any] | None:
+def _completion_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine, offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object.  ``text_offset[i]`` is the character offset
+    of token i's text in the choice's text (``offset``: where the first of ``lps`` starts, e.g.
+    after an echoed prompt or the text already streamed), as OpenAI and vLLM give it."""
     if lps is None:
         return None
     tok = engine.tokenizer
+    tokens = [tok.decode([x.token_id]) for x in lps]
+    text_offset = []
+    for t in tokens:
+        text_offset.append(offset)
+        offset += len(t)
     return {
-        "tokens": [tok.decode([x.token_id]) for x in lps],
+        "tokens": tokens,
         "token_logprobs": [x.logprob for x in lps],
         "top_logprobs": [{t.decoded: t.logprob for t in x.top} for x in lps],
-        "text_offset": [],
+        "text_offset": text_offset,
     }
 
 
