@@ -134,6 +134,7 @@ def test_chat_message_without_content_gets_400(server, message, needle):
     ({"response_format": {"type": "json_object"}}, "json_object"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
+    ({"min_tokens": 9, "max_completion_tokens": 3}, "max_completion_tokens (3)"),
 ])
 def test_chat_features_not_served_get_400(server, extra, needle):
     r = httpx.post(f"{server.v1}/chat/completions",

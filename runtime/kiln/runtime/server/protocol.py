@@ -158,6 +158,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
                              "(structured output): only 'text'")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if (self.max_completion_tokens is not None and isinstance(self.min_tokens, int)
+                and self.min_tokens > self.max_completion_tokens >= 0):
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_completion_tokens "
+                             f"({self.max_completion_tokens})")
         lp = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
