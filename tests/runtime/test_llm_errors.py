@@ -76,7 +76,7 @@ def test_max_model_len_too_small_is_refused(tmp_path):
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 2}))
-    for bad in (1, -5):
+    for bad in (1, 0, -5):
         with pytest.raises(ValueError, match=f"max_model_len must be at least 2.*got {bad}"):
             LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=64, max_model_len=bad)
 

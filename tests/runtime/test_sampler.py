@@ -77,6 +77,17 @@ def test_penalties():
     assert out[0].tolist() == pytest.approx([2.0 - 0.5 - 0.25, 2.0 - 1.0 - 0.25, -1.0, 0.5])
 
 
+def test_tiny_repetition_penalty_stays_finite():
+    """A penalty of 1e-38 sends seen positive logits past float32's range: they are clamped
+    (the limit of the penalty), never inf or NaN, so sampling still picks a seen token."""
+    logits = torch.tensor([[5.0, 4.0, -1.0, 0.5]])
+    for temperature, seed in ((0.0, None), (1.0, 3), (0.5, 4)):
+        out = logits.clone()
+        res = sample(out, [_row(prompt=(0, 1), repetition_penalty=1e-38, temperature=temperature, seed=seed)])
+        assert torch.isfinite(out[:, :2]).all()
+        assert res.token_ids[0] in (0, 1)
+
+
 def test_logprobs_are_raw_distribution():
     logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
     ref = torch.log_softmax(logits, -1)[0]
@@ -90,6 +101,8 @@ def test_logprobs_are_raw_distribution():
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.1}, "top_p"),
     ({"n": 0}, "n must"), ({"n": 99}, "99"), ({"max_tokens": 0}, "max_tokens"), ({"top_k": -5}, "top_k"),
     ({"min_p": 2}, "min_p"), ({"logprobs": 50}, "50"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_tokens": -1}, "max_tokens must be at least 1"), ({"seed": 1 << 63}, "64-bit"),
+    ({"seed": -(1 << 63) - 1}, "64-bit"),
 ])
 def test_params_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -33,6 +33,11 @@ class Server:
                 out[key] = float(val)
         return out
 
+    def log_text(self) -> str:
+        """What the server process wrote to its log so far."""
+        with open(f"/tmp/kiln-serve-{self.base.rsplit(':', 1)[1]}.log") as f:
+            return f.read()
+
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples whose labels include ``labels``."""
         total = 0.0

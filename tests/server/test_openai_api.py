@@ -4,6 +4,7 @@ n > 1, logprobs, stop strings, seeds, and the OpenAI-style 400s for bad input.""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -85,7 +86,6 @@ BAD = [
     ({"prompt": "hi", "max_tokens": -3}, "-3"),
     ({"prompt": "hi", "max_tokens": 100000}, "100000"),
     ({"prompt": "hi " * 3000, "max_tokens": 4}, "2048"),
-    ({"prompt": "hi", "model": "gpt-4"}, "gpt-4"),
     ({"prompt": "hi", "n": 500}, "500"),
     ({"prompt": "hi", "temperature": -1}, "-1"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
@@ -104,6 +104,8 @@ BAD = [
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
     ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "hi", "seed": 2**64}, "64-bit"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens must be at least 1"),
 ]
 
 
@@ -191,7 +193,7 @@ def test_openai_client_raises_bad_request(client):
 def test_invalid_unicode_and_deep_nesting_get_400(server):
     r = httpx.post(f"{server.v1}/completions", content=b'{"prompt": "hi \\ud800 there", "max_tokens": 2}',
                    headers={"content-type": "application/json"}, timeout=30)
-    assert r.status_code == 400 and "tokenized" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
     deep = b'{"prompt": "hi", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}"
     r = httpx.post(f"{server.v1}/completions", content=deep, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
@@ -222,6 +224,47 @@ def test_streamed_logprobs_cover_every_token(client):
     assert "".join(c.choices[0].text for c in chunks) == full.text
 
 
+@pytest.mark.parametrize("path,body", [
+    ("completions", {"prompt": "hi", "model": "gpt-4", "max_tokens": 1}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4", "max_tokens": 1}),
+])
+def test_unknown_model_is_404(server, path, body):
+    r = httpx.post(f"{server.v1}/{path}", json=body, timeout=30)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "gpt-4" in err["message"]
+
+
+def test_body_cut_off_by_the_client_logs_no_traceback(server):
+    """A client that closes the connection in the middle of its request body."""
+    import socket
+
+    host, port = server.base.split("//")[1].split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi\"")
+    time.sleep(1.0)
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert "ClientDisconnect" not in server.log_text()
+
+
+def test_lone_surrogate_and_huge_prompt_get_400_quickly(server):
+    """Invalid Unicode gets a plain message; a prompt far past the context is refused without
+    tokenizing it (tokenizing 9 MB takes seconds; it also runs off the event loop now)."""
+    for path, body in (("completions", {"prompt": "\ud800abc", "max_tokens": 1}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "x\udfffy"}], "max_tokens": 1})):
+        r = httpx.post(f"{server.v1}/{path}", content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    huge = "hi " * 3_000_000
+    for path, body in (("completions", {"prompt": huge, "max_tokens": 1}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 1})):
+        r = httpx.post(f"{server.v1}/{path}", json=body, timeout=60)
+        msg = r.json()["error"]["message"]
+        # refused by the length bound ("characters"), not after tokenizing ("tokens")
+        assert r.status_code == 400 and "maximum context length" in msg and "9000000 characters" in msg, r.text
+
+
 def test_completion_text_offset(client):
     """text_offset[i] is where token i's text starts in the choice's text, the same streamed
     and not (echo with logprobs would need prompt logprobs: a 400)."""
@@ -236,6 +279,38 @@ def test_completion_text_offset(client):
     streamed = [o for c in client.completions.create(stream=True, **kw)
                 for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
     assert streamed == lp.text_offset
+
+
+def _raw(token: str) -> bytes:
+    """A completions logprobs token back to its bytes (OpenAI's ``bytes:\\xNN`` form or text)."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[6:].split("\\x")[1:])
+    return token.encode()
+
+
+def test_logprobs_of_split_characters(client):
+    """Byte-level tokens that are fragments of an emoji: their own bytes (not U+FFFD), distinct
+    top_logprobs keys, offsets inside the text; chat's ``bytes`` are the real bytes too."""
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="Here are some emojis: \U0001F389\U0001F525",
+              max_tokens=12, temperature=0, logprobs=2)
+    c = client.completions.create(**kw).choices[0]
+    lp = c.logprobs
+    assert any(t.startswith("bytes:") for t in lp.tokens), lp.tokens  # the model emits emoji fragments
+    raw = b"".join(_raw(t) for t in lp.tokens)
+    assert raw.startswith(c.text.encode()) and len(raw) - len(c.text.encode()) < 4
+    assert lp.text_offset == sorted(lp.text_offset) and all(0 <= o <= len(c.text) for o in lp.text_offset)
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and abs(top[tok] - logprob) < 1e-4  # greedy: the chosen token is in its top 2
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(
+        model="builtin:smollm2-135m-instruct", temperature=0, max_tokens=8, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": "Reply with only the fire emoji \U0001F525"}]).choices[0]
+    content = chat.logprobs.content
+    raw = b"".join(bytes(e.bytes) for e in content)
+    assert raw.startswith(chat.message.content.encode())
+    assert any(e.token == "\ufffd" and bytes(e.bytes) != "\ufffd".encode() for e in content), content
 
 
 def test_stream_n_sends_one_finish_per_choice(client):

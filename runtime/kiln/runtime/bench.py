@@ -56,6 +56,11 @@ def pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def _json_safe(d: dict) -> dict:
+    """``d`` with non-finite floats (a percentile of no samples is NaN) as None: JSON null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
+
+
 def run_kiln_offline(llm, wl: Workload) -> dict:
     from .sampling_params import SamplingParams  # noqa: PLC0415
 
@@ -168,19 +173,20 @@ def cmd_offline(ns: argparse.Namespace) -> int:
           f"input {ns.input_len} output {ns.output_len} range {ns.range_ratio}; "
           f"{wl.num_output_tokens} output tokens requested", flush=True)
     results = [run_kiln_offline(llm, wl)]
-    print(json.dumps(results[-1]), flush=True)
+    print(json.dumps(_json_safe(results[-1])), flush=True)
     if ns.peer != "none":
         hf = build_hf_peer(llm)
         if ns.peer == "transformers-cb":
             results.append(run_hf_continuous(hf, wl))
         else:
             results.append(run_hf_offline(hf, wl, ns.peer_batch_size, runner.device))
-        print(json.dumps(results[-1]), flush=True)
+        print(json.dumps(_json_safe(results[-1])), flush=True)
         results.append({"ratio_kiln_over_peer": results[0]["output_tok_s"] / results[1]["output_tok_s"]})
     _print_table(results)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(ns).items() if k != "func"}, "results": results}, f, indent=2)
+            json.dump({"args": {k: v for k, v in vars(ns).items() if k != "func"},
+                       "results": [_json_safe(r) for r in results]}, f, indent=2)
     return 0
 
 
@@ -196,23 +202,62 @@ def _print_table(results: list[dict]) -> None:
               f"{f('ttft_p50_s')}{f('ttft_p99_s')}{f('tpot_p50_s')}{f('tpot_p99_s')}")
 
 
+class BenchError(RuntimeError):
+    """The benchmark cannot run (server unreachable, not an OpenAI-style server)."""
+
+
+def _error_reason(status: int, body: bytes) -> str:
+    """``"<status>: <message>"`` from an OpenAI-style error body ``{"error": {"message": ...}}``
+    (else the start of the raw body)."""
+    try:
+        msg = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = body.decode("utf-8", "replace").strip()[:300]
+    return f"{status}: {msg}" if msg else str(status)
+
+
+def _served_model(url: str) -> str:
+    """The first model the server at ``url`` lists at /v1/models.  Raises BenchError."""
+    import httpx  # noqa: PLC0415
+
+    try:
+        r = httpx.get(f"{url}/v1/models", timeout=30)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise BenchError(f"cannot reach the server at {url}: {e}") from None
+    if r.status_code != 200:
+        raise BenchError(f"the server at {url} answered GET /v1/models with {_error_reason(r.status_code, r.content)}")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"the server at {url} does not list a model at /v1/models (not an OpenAI-style server?)") \
+            from None
+
+
 async def _serve_one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: ``{"ttft", "e2e", "tokens", "tpot"}``, or ``{"error": reason}``."""
+    import httpx  # noqa: PLC0415
+
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
     n = 0
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            return {"error": r.status_code}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
-            elif ttft is None and chunk["choices"]:
-                ttft = time.perf_counter() - t0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return {"error": _error_reason(r.status_code, await r.aread())}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    return {"error": _error_reason(r.status_code, line[6:].encode())}
+                if chunk.get("usage"):
+                    n = chunk["usage"]["completion_tokens"]
+                elif ttft is None and chunk["choices"]:
+                    ttft = time.perf_counter() - t0
+    except httpx.TransportError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
     e2e = time.perf_counter() - t0
     return {"ttft": ttft or e2e, "e2e": e2e, "tokens": n, "tpot": (e2e - (ttft or e2e)) / max(1, n - 1)}
 
@@ -235,7 +280,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
     try:
-        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        served = _served_model(url)  # also checks that the server answers
+        model = ns.model if ns.url and ns.model else served  # without --url, --model is the source served here
         wl = make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, ns.vocab_size, ns.seed)
 
         async def main():
@@ -256,10 +302,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                    "output_tok_s": toks / wall, "requests_s": len(ok) / wall, "errors": len(res) - len(ok),
                    "ttft_p50_s": pct([r["ttft"] for r in ok], 50), "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
                    "tpot_p50_s": pct([r["tpot"] for r in ok], 50), "tpot_p99_s": pct([r["tpot"] for r in ok], 99),
-                   "e2e_p50_s": pct([r["e2e"] for r in ok], 50), "e2e_p99_s": pct([r["e2e"] for r in ok], 99)}
-        print(json.dumps(summary))
+                   "e2e_p50_s": pct([r["e2e"] for r in ok], 50), "e2e_p99_s": pct([r["e2e"] for r in ok], 99),
+                   "first_error": next((r["error"] for r in res if "error" in r), None)}
+        if summary["errors"]:
+            print(f"kiln bench: {summary['errors']} of {len(res)} requests failed; the first: {summary['first_error']}",
+                  file=sys.stderr)
+        print(json.dumps(_json_safe(summary)))
         _print_table([summary])
         return 0 if not summary["errors"] else 1
+    except BenchError as e:
+        print(f"kiln bench: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if proc:
             proc.terminate()
@@ -306,7 +359,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     off.set_defaults(func=cmd_offline)
     srv = sub.add_parser("serve", help="latency percentiles against a live server")
     srv.add_argument("--url", default=None, help="a running server (default: start `kiln serve` here)")
-    srv.add_argument("--model", default=None)
+    srv.add_argument("--model", default=None, help="without --url: the model to serve (as `kiln serve --model`); "
+                     "with --url: the model name sent in requests (default: the server's first model)")
     srv.add_argument("--max-num-seqs", type=_positive_int, default=64)
     srv.add_argument("--num-prompts", type=_positive_int, default=64)
     srv.add_argument("--concurrency", type=_positive_int, default=16)

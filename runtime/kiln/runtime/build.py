@@ -8,8 +8,8 @@ interrupted or racing build never leaves a half-written engine at the path: when
 race for the same hash, the first rename wins and the other discards its copy.
 
 Exit codes of ``run_build``: 0 built (or already present), 2 bad input (unknown method, bad
-group size, unsupported architecture, missing/corrupt source), 1 the build failed (read-only
-or full output, ...).
+group size, unsupported architecture, missing/corrupt source, an empty ``--output`` or a mount
+point as ``--output``), 1 the build failed (read-only or full output, ...).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .enginespec import (
     BUILD_DEFAULTS,
     COMPLETE_MARKER,
     ENGINE_FORMAT_VERSION,
+    GROUPED_METHODS,
     KV_CACHE_DTYPES,
     MANIFEST_FILENAME,
     QUANTIZATION_METHODS,
@@ -42,6 +43,7 @@ from .enginespec import (
 )
 
 MAX_SHARD_BYTES = 4 << 30  # weights per safetensors file
+CHECKSUM_ALGORITHM = "sha256"  # the one algorithm of source_checksum and --source-checksum
 BUILDER_VERSION = "kiln-build/1"
 
 
@@ -173,6 +175,9 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
                                  "again") from None
             say(f"engine {h} already built at {out}")
             return BuildResult(out, h, "exists", time.perf_counter() - t0)
+        if os.path.ismount(out):  # the finished engine is renamed into place: a mount point cannot take it
+            raise BadInputError(f"{out} is a mount point and the engine cannot be renamed onto it; point --output "
+                                f"at a folder on that volume, e.g. {out / 'engine'}")
         if out.is_dir() and not any(out.iterdir()):
             pass  # an empty folder (e.g. a mount point's child) is replaced by the rename
         else:
@@ -358,8 +363,9 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="engine folder to create (written atomically)")
     parser.add_argument("--quantization", default=d["quantization"],
                         help=f"one of {', '.join(QUANTIZATION_METHODS)} (default: %(default)s)")
-    parser.add_argument("--group-size", type=int, default=d["groupSize"],
-                        help="int4 group size: 32, 64 or 128; must divide every layer's input features (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=None,  # None: not given (the default, int4 methods only)
+                        help=f"int4 group size: 32, 64 or 128; must divide every layer's input features "
+                             f"(default: {d['groupSize']})")
     parser.add_argument("--smoothquant-alpha", default=d["smoothquantAlpha"],
                         help="SmoothQuant migration strength in [0, 1] (default: %(default)s)")
     parser.add_argument("--kv-cache-dtype", default=d["kvCacheDtype"], help=f"one of {', '.join(KV_CACHE_DTYPES)}")
@@ -369,7 +375,7 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, default=d["maxBatchSize"])
     parser.add_argument("--max-num-tokens", type=int, default=d["maxNumTokens"])
     parser.add_argument("--source-checksum", default=None,
-                        help="sha256:<hex> the source must have (part of the engine hash)")
+                        help=f"{CHECKSUM_ALGORITHM}:<hex> the source must have (part of the engine hash)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where calibration and quantization run (not part of the hash)")
     parser.add_argument("--print-hash", action="store_true", help="print the engine hash and exit")
@@ -392,9 +398,29 @@ def _cli_spelling(msg: str) -> str:
     return msg
 
 
+def _checksum_error(checksum: str) -> str | None:
+    """Why ``--source-checksum`` is malformed (checked before the source is hashed), or None."""
+    algo, sep, digest = checksum.partition(":")
+    if not sep:
+        return f"--source-checksum: expected {CHECKSUM_ALGORITHM}:<hex>, got {checksum!r}"
+    if algo.strip().lower() != CHECKSUM_ALGORITHM:
+        return f"--source-checksum: unsupported checksum algorithm {algo!r}; use {CHECKSUM_ALGORITHM}:<hex>"
+    if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+        return f"--source-checksum: {digest!r} is not a sha256 digest (64 hex digits)"
+    return None
+
+
 def run_build(args: argparse.Namespace) -> int:
     """Run ``kiln build`` from parsed arguments; prints progress to stderr and the engine
     path to stdout.  Returns the exit code (0, 1 or 2; see the module doc)."""
+    err = None
+    if not args.output:
+        err = "--output must not be empty"
+    elif args.source_checksum is not None:
+        err = _checksum_error(args.source_checksum)
+    if err:
+        print(f"kiln build: error: {err}", file=sys.stderr)
+        return 2
     try:
         spec = BuildSpec.from_cli(
             args.model, quantization=args.quantization, group_size=args.group_size,
@@ -404,6 +430,10 @@ def run_build(args: argparse.Namespace) -> int:
             checksum=args.source_checksum)
     except EngineSpecError as e:
         print(f"kiln build: error: {_cli_spelling(str(e))}", file=sys.stderr)
+        return 2
+    if args.group_size is not None and spec.quantization not in GROUPED_METHODS:
+        print(f"kiln build: error: --group-size applies only to {' and '.join(GROUPED_METHODS)}, "
+              f"not to --quantization {spec.quantization}", file=sys.stderr)
         return 2
     if getattr(args, "print_hash", False):
         print(spec.hash())

@@ -6,8 +6,10 @@ Heavy modules are imported inside each subcommand so ``kiln operator`` never imp
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 
 
@@ -50,14 +52,33 @@ def engine_args_from(ns: argparse.Namespace):
     )
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Raise ValueError when ``host:port`` cannot be bound (port in use, unknown address), so
+    ``kiln serve`` fails before loading the model.  The test socket is bound as uvicorn binds
+    (SO_REUSEADDR) and closed at once; a port taken after this check still fails in uvicorn."""
+    if port == 0:  # any free port
+        return
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use; stop what holds it or pick another --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
+    check_can_listen(ns.host, ns.port)
+
     import uvicorn  # noqa: PLC0415
 
     from .engine import LLMEngine  # noqa: PLC0415
     from .server.api import build_app  # noqa: PLC0415
 
-    if not 0 <= ns.port <= 65535:
-        raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
     api_key = ns.api_key or os.environ.get("KILN_API_KEY") or None
     engine = LLMEngine(engine_args_from(ns))
     app = build_app(engine, api_key=api_key)

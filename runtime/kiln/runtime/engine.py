@@ -80,8 +80,8 @@ class _Parent:
 def _check_max_model_len(args: EngineArgs, cfg: ModelConfig) -> None:
     """Raises ValueError when ``max_model_len`` is below 2 or exceeds the model's context (vLLM
     refuses that too: positions past the trained RoPE range give garbage), before any weight
-    is loaded.  0 / None mean the default."""
-    if args.max_model_len is not None and (args.max_model_len < 0 or args.max_model_len == 1):
+    is loaded.  None means the default."""
+    if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), "
                          f"got {args.max_model_len}")
     if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
@@ -102,6 +102,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, stat_logger: StatLogger | None = None):
         self.args = args
         self.stat_logger = stat_logger
+        self._max_token_chars: int | None = None  # longest vocabulary entry (characters), lazily
         t0 = time.perf_counter()
         if args.engine:
             from .engine_format import open_engine  # noqa: PLC0415  (kiln build's output)
@@ -169,20 +170,55 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send token ids as the prompt")
+            self._check_text_length(len(prompt))
+            self._check_unicode(prompt, "the prompt")
             try:
                 return prompt, list(self.tokenizer.encode(prompt))
             except Exception as e:  # e.g. a lone UTF-16 surrogate the tokenizer cannot encode
                 raise InvalidRequestError(f"the prompt cannot be tokenized (invalid Unicode?): {e}") from e
         return None, [int(t) for t in prompt]
 
+    @staticmethod
+    def _check_unicode(text: str, what: str) -> None:
+        """Raises InvalidRequestError for text that is not valid Unicode (a lone UTF-16
+        surrogate from a JSON ``\\ud800`` escape), which no tokenizer can encode."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(f"{what} is not valid Unicode: a lone surrogate "
+                                      f"{text[e.start]!r} at character {e.start}") from None
+
+    def _check_text_length(self, num_chars: int) -> None:
+        """Refuse, without tokenizing it, text that cannot fit the context: no token covers more
+        than ``L`` characters, L the longest vocabulary entry (twice that, for decoders that add
+        characters), so ``num_chars > max_model_len * 2L`` means more tokens than the context.
+
+        Raises:
+            InvalidRequestError: the text is certainly too long.
+        """
+        if self._max_token_chars is None:
+            try:
+                self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+            except Exception:  # a tokenizer without a vocabulary listing: no early check
+                self._max_token_chars = 0
+        bound = self.max_model_len * 2 * self._max_token_chars
+        if self._max_token_chars and num_chars > bound:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_chars} characters, more than {self.max_model_len} tokens of this tokenizer can hold")
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat, rendered with the tokenizer's chat template.
 
         Raises:
-            InvalidRequestError: malformed messages or no chat template.
+            InvalidRequestError: malformed messages, no chat template, or text certainly
+                longer than the context.
         """
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidRequestError(f"model {self.served_model_name} has no chat template")
+        self._check_text_length(sum(len(str(m.get("content") or "")) for m in messages))
+        for i, m in enumerate(messages):
+            self._check_unicode(str(m.get("content") or ""), f"messages[{i}].content")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as e:
@@ -242,7 +278,7 @@ class LLMEngine:
             gen = None
             if params.seed is not None and not params.greedy:
                 gen = torch.Generator(device=self.runner.device)
-                gen.manual_seed((params.seed + i * 0x9E3779B1) % (1 << 63))
+                gen.manual_seed((params.seed + i * 0x9E3779B1) % (1 << 64))  # every int64 seed distinct
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), max_tokens=max_tokens,
                           arrival_time=arrival)
             if self.tokenizer is None and (params.detokenize or params.stop):

@@ -49,7 +49,9 @@ def open_model(model: str | None = None, engine: str | None = None, device: str 
     blocks = num_seqs * (math.ceil(window / 16) + 8)
     return LLMEngine(EngineArgs(model=model, engine=engine, device=device, dtype=dtype, num_kv_blocks=blocks,
                                 max_num_seqs=max(num_seqs, 1), enable_cuda_graphs=False,
-                                max_num_batched_tokens=max(2048, window)))
+                                max_num_batched_tokens=max(2048, window),
+                                # windows past the 4096 default up to the model's context (else a clear error)
+                                max_model_len=window if window > 4096 else None))
 
 
 def read_text(path: str | None) -> str:
@@ -57,7 +59,11 @@ def read_text(path: str | None) -> str:
         from .quantization.calibration import data_path  # noqa: PLC0415
 
         return data_path("heldout.txt").read_text(encoding="utf-8")
-    return Path(path).read_text(encoding="utf-8")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") \
+            from None
 
 
 def score_windows(engine, ids: list[int], window: int = DEFAULT_WINDOW, want_argmax: bool = False):
@@ -99,13 +105,17 @@ def perplexity(model: str | None = None, engine: str | None = None, text: str | 
     default: the shipped held-out text), first ``max_tokens`` tokens when given.
 
     Raises:
-        ValueError: ``window`` < 2, ``max_tokens`` < 2, or a text too short to score a token.
+        ValueError: ``window`` < 2 or above the engine's ``max_model_len``, ``max_tokens`` < 2,
+            a text that is not UTF-8, or a text too short to score a token.
     """
     if window < 2:
         raise ValueError(f"--window must be at least 2 tokens, got {window}")
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
     eng = open_model(model, engine, device, dtype, window)
+    if window > eng.max_model_len:  # positions past the context the engine serves
+        raise ValueError(f"--window {window} is longer than the model's context of {eng.max_model_len} tokens "
+                         f"(max_model_len); use --window {eng.max_model_len} or less")
     ids = list(eng.tokenizer(read_text(text) if text is None or Path(text).exists() else text,
                              add_special_tokens=False)["input_ids"])
     if max_tokens:
@@ -192,8 +202,11 @@ def run_eval(args: argparse.Namespace) -> int:
     from .model.config import UnsupportedModelError  # noqa: PLC0415
 
     try:
-        if getattr(args, "text", None) is not None and not Path(args.text).is_file():
-            raise FileNotFoundError(f"--text {args.text}: no such file")
+        text = getattr(args, "text", None)
+        if text is not None and Path(text).is_dir():
+            raise ValueError(f"--text {text}: is a directory, not a text file")
+        if text is not None and not Path(text).is_file():
+            raise FileNotFoundError(f"--text {text}: no such file")
         if args.eval_command == "perplexity":
             r = perplexity(args.model, args.engine, args.text, args.max_tokens, args.window, args.device, args.dtype)
             if args.json:

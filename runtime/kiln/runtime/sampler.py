@@ -50,7 +50,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                                 dtype=torch.int64, device=logits.device)
             seen = seen[seen < vocab]
             vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            big = torch.finfo(logits.dtype).max  # a tiny penalty must not overflow to inf (then NaN)
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                          vals * p.repetition_penalty).clamp(-big, big)
         if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -59,7 +61,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row [V] (float32); returns probabilities."""
-    logits = logits / p.temperature
+    logits = (logits / p.temperature).clamp(max=torch.finfo(logits.dtype).max)  # finite after a tiny T
     if p.top_k not in (-1, 0) and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -91,7 +93,7 @@ def _filter_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         t = torch.tensor(values, dtype=dtype)
         return (t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t).unsqueeze(1)
 
-    logits = logits / col([p.temperature for p in params])
+    logits = (logits / col([p.temperature for p in params])).clamp(max=torch.finfo(logits.dtype).max)
     ks = [p.top_k if p.top_k not in (-1, 0) and p.top_k < V else 0 for p in params]
     if any(ks):
         kmax = max(ks)

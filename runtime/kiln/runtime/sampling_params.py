@@ -79,10 +79,15 @@ class SamplingParams:
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and not isinstance(self.max_tokens, bool) and isinstance(self.max_tokens, int) \
+                and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and not isinstance(self.max_tokens, bool) and isinstance(self.max_tokens, int) \
                 and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if isinstance(self.stop, str):

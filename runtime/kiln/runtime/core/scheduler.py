@@ -139,7 +139,7 @@ class Scheduler:
         need = self.max_blocks_needed(request)
         if need > cfg.num_kv_blocks:
             raise ValueError(
-                f"request {rid}: needs {need} KV blocks of {cfg.block_size} tokens (prompt "
+                f"the request needs {need} KV blocks of {cfg.block_size} tokens (prompt "
                 f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens), but the pool "
                 f"has {cfg.num_kv_blocks} blocks ({cfg.kv_pool_tokens} tokens)"
             )

@@ -8,6 +8,7 @@ input (malformed JSON and wrong types included; the message carries the real num
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import secrets
@@ -20,6 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from ..engine import InvalidRequestError, LLMEngine
 from ..outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -36,6 +38,11 @@ class _AuthError(Exception):
 
 class _ClientGone(Exception):
     """The client of a non-streaming request disconnected; its request was aborted."""
+
+
+class _ModelNotFound(Exception):
+    """A request names a model this server does not serve (-> 404 ``model_not_found``, as
+    OpenAI and vLLM answer)."""
 
 
 def error_body(message: str, etype: str = "invalid_request_error", code: str | None = None,
@@ -69,6 +76,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         warmup: run one request through the engine before ``/ready`` turns true.
     """
     metrics = Metrics(engine.served_model_name)
+    token_text = _TokenText(engine.tokenizer)
     engine.stat_logger = metrics
     aengine = AsyncEngine(engine)
     model_names = {engine.served_model_name, engine.model_ref}
@@ -114,6 +122,15 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         # Nobody reads this (nginx's 499 "client closed request"); no traceback in the log.
         return Response(status_code=499)
 
+    @app.exception_handler(_ModelNotFound)
+    async def _on_no_model(request: Request, exc: _ModelNotFound):
+        return _error(404, str(exc), "invalid_request_error", "model_not_found")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _on_disconnect(request: Request, exc: ClientDisconnect):
+        # The client closed the connection while sending its body: nothing to answer, no traceback.
+        return Response(status_code=499)
+
     @app.exception_handler(_AuthError)
     async def _on_auth(request: Request, exc: _AuthError):
         return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
@@ -155,7 +172,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
 
     def _check_model(name: str | None) -> None:
         if name and name not in model_names:
-            raise InvalidRequestError(f"model {name!r} does not exist; this server serves {engine.served_model_name!r}")
+            raise _ModelNotFound(f"the model {name!r} does not exist; this server serves {engine.served_model_name!r}")
 
     async def _parse(request: Request, cls):
         try:
@@ -247,7 +264,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             for c in out.outputs:
                 ctoks += len(c.token_ids)
                 choices.append({"index": pi * params.n + c.index, "text": echoes[pi] + c.text,
-                                "logprobs": (_completion_logprobs(c.logprobs, engine, len(echoes[pi]))
+                                "logprobs": (_completion_logprobs(c.logprobs, token_text, _Offsets(len(echoes[pi])))
                                              if req.logprobs is not None else None),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -269,7 +286,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         remaining = len(gens)
         finished_sent: set[int] = set()
-        offsets: dict[int, int] = {}  # choice index -> characters of its text so far (for text_offset)
+        offsets: dict[int, _Offsets] = {}  # choice index -> its running text_offset
         try:
             for pi, text in enumerate(echoes):
                 for i in range(n if text else 0):
@@ -298,9 +315,9 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                         finished_sent.add(idx)
                     lp_obj = None
                     if req.logprobs is not None:
-                        lp_obj = _completion_logprobs(c.delta_logprobs, engine, offsets.get(idx, len(echoes[pi])))
-                        if lp_obj is not None and lp_obj["tokens"]:
-                            offsets[idx] = lp_obj["text_offset"][-1] + len(lp_obj["tokens"][-1])
+                        if idx not in offsets:
+                            offsets[idx] = _Offsets(len(echoes[pi]))
+                        lp_obj = _completion_logprobs(c.delta_logprobs, token_text, offsets[idx])
                     chunk = {"id": base, "object": "text_completion", "created": created_ts, "model": model,
                              "choices": [{"index": idx, "text": c.delta_text,
                                           "logprobs": lp_obj,
@@ -331,7 +348,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             conv = req.conversation()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
-        prompt_ids = engine.apply_chat_template(conv)
+        prompt_ids = await aengine.run_tokenizer(engine.apply_chat_template, conv)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await _start(prompt_ids, params, rid)
         model = req.model or engine.served_model_name
@@ -341,7 +358,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         ctoks = sum(len(c.token_ids) for c in out.outputs)
         ptoks = len(out.prompt_token_ids)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.logprobs, engine) if req.logprobs else None,
+                    "logprobs": _chat_logprobs(c.logprobs, token_text) if req.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices,
@@ -369,7 +386,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                     if ends:
                         finished_sent.add(c.index)
                     choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                              "logprobs": _chat_logprobs(c.delta_logprobs, engine) if req.logprobs else None,
+                              "logprobs": _chat_logprobs(c.delta_logprobs, token_text) if req.logprobs else None,
                               "finish_reason": c.finish_reason if ends else None}
                     yield f"data: {json.dumps({'id': rid, 'object': 'chat.completion.chunk', 'created': created_ts, 'model': model, 'choices': [choice]})}\n\n"
             if req.stream_options and req.stream_options.include_usage and final is not None:
@@ -391,34 +408,94 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _completion_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine, offset: int = 0) -> dict[str, Any] | None:
-    """The legacy completions ``logprobs`` object.  ``text_offset[i]`` is the character offset
-    of token i's text in the choice's text (``offset``: where the first of ``lps`` starts, e.g.
-    after an echoed prompt or the text already streamed), as OpenAI and vLLM give it."""
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode`` (Radford et al. 2019, ``encoder.py``): the
+    printable characters byte-level BPE vocabularies use for the 256 byte values."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+class _TokenText:
+    """Per-token text for logprobs: a token's own UTF-8 bytes (a byte-level BPE token can be a
+    fragment of a character, which ``decode([id])`` turns into U+FFFD), cached per token id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        b = self._bytes.get(token_id)
+        if b is None:
+            text = self.tokenizer.decode([token_id])
+            b = text.encode("utf-8", "replace")
+            if "\ufffd" in text:  # a fragment: read the bytes from the vocabulary entry
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
+                    b = bytes(_BYTE_LEVEL[c] for c in piece)
+                elif isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    b = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+            self._bytes[token_id] = b
+        return b
+
+    def completion_token(self, token_id: int) -> str:
+        """The token as text, or OpenAI's ``bytes:\\xNN...`` form when it is not whole UTF-8."""
+        b = self.bytes_of(token_id)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+class _Offsets:
+    """Running ``text_offset`` of one choice: characters completed so far (an incremental
+    UTF-8 decoder holds a character split across tokens until its last byte)."""
+
+    def __init__(self, start: int = 0):
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, b: bytes) -> int:
+        """Offset where a token with bytes ``b`` starts; then moves past it."""
+        at = self.offset
+        self.offset += len(self._decoder.decode(b))
+        return at
+
+
+def _completion_logprobs(lps: list[TokenLogprobs] | None, text: _TokenText, offsets: _Offsets) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object.  Tokens that are not whole UTF-8 show as
+    ``bytes:\\xNN`` (OpenAI's form), so distinct byte tokens stay distinct keys of
+    ``top_logprobs``; ``text_offset[i]`` is the character offset in the choice's text where
+    token i starts (a token inside a split character points at that character)."""
     if lps is None:
         return None
-    tok = engine.tokenizer
-    tokens = [tok.decode([x.token_id]) for x in lps]
-    text_offset = []
-    for t in tokens:
-        text_offset.append(offset)
-        offset += len(t)
     return {
-        "tokens": tokens,
+        "tokens": [text.completion_token(x.token_id) for x in lps],
         "token_logprobs": [x.logprob for x in lps],
-        "top_logprobs": [{t.decoded: t.logprob for t in x.top} for x in lps],
-        "text_offset": text_offset,
+        "top_logprobs": [{text.completion_token(t.token_id): t.logprob for t in x.top} for x in lps],
+        "text_offset": [offsets.advance(text.bytes_of(x.token_id)) for x in lps],
     }
 
 
-def _chat_logprobs(lps: list[TokenLogprobs] | None, engine: LLMEngine) -> dict[str, Any] | None:
+def _chat_logprobs(lps: list[TokenLogprobs] | None, text: _TokenText) -> dict[str, Any] | None:
+    """The chat ``logprobs`` object; ``bytes`` is each token's own UTF-8 bytes (a fragment of a
+    character included), ``token`` their text with U+FFFD for an incomplete character."""
     if lps is None:
         return None
-    tok = engine.tokenizer
-    content = []
-    for x in lps:
-        s = tok.decode([x.token_id])
-        content.append({"token": s, "logprob": x.logprob, "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": [{"token": t.decoded, "logprob": t.logprob,
-                                          "bytes": list(t.decoded.encode("utf-8"))} for t in x.top]})
-    return {"content": content}
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        b = text.bytes_of(token_id)
+        return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in x.top]}
+                        for x in lps]}

@@ -43,6 +43,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-step")
+        # Tokenization and chat templates run here, off the event loop (a long prompt takes
+        # seconds; the HF tokenizer releases the GIL) and one at a time (vLLM does the same).
+        self._tok_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenize")
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[_Pending] = []
         self._aborts: list[str] = []
@@ -65,6 +68,11 @@ class AsyncEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._tok_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run_tokenizer(self, fn, *args):
+        """``fn(*args)`` in the tokenizer thread (tokenizing, chat templates)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tok_executor, fn, *args)
 
     async def warmup(self) -> None:
         """Run one real request through the engine (readiness means a step has run)."""
@@ -85,6 +93,8 @@ class AsyncEngine:
         """
         if self.errored is not None:
             raise RuntimeError(f"engine loop failed: {self.errored!r}")
+        if isinstance(prompt, str):  # tokenize here, not in the engine loop (raises InvalidRequestError)
+            prompt = (await self.run_tokenizer(self.engine.tokenize_prompt, prompt))[1]
         loop = asyncio.get_running_loop()
         rid = request_id or self.engine.new_request_id()
         q: asyncio.Queue = asyncio.Queue()

@@ -1,0 +1,92 @@
+"""User errors of ``kiln serve`` and ``kiln bench serve`` end in one clear line and a non-zero
+exit, before any model is loaded (no model is loaded here)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kiln.runtime.cli import main
+
+
+@pytest.fixture
+def openai_stub():
+    """A server that lists model ``stub`` and answers every completion with a 400 error
+    body; ``received`` collects the request bodies."""
+    received: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self._send(400, {"error": {"message": "this model's maximum context length is 4096 tokens",
+                                       "type": "invalid_request_error", "param": None, "code": None}})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", received
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "notaurl"])
+def test_bench_serve_unreachable_url(url, capsys):
+    assert main(["bench", "serve", "--url", url, "--num-prompts", "1"]) != 0
+    err = capsys.readouterr().err
+    assert f"kiln bench: error: cannot reach the server at {url}: " in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bench_serve_reports_why_requests_failed(openai_stub, capsys):
+    url, received = openai_stub
+    assert main(["bench", "serve", "--url", url, "--num-prompts", "2", "--input-len", "8", "--output-len", "2"]) == 1
+    out = capsys.readouterr()
+    assert "400: this model's maximum context length is 4096 tokens" in out.err
+
+    def no_nan(c):
+        raise AssertionError(f"invalid JSON constant {c}")
+
+    summary = json.loads(out.out.splitlines()[0], parse_constant=no_nan)
+    assert summary["errors"] == 2 and summary["ttft_p50_s"] is None
+    assert summary["first_error"] == "400: this model's maximum context length is 4096 tokens"
+    assert [r["model"] for r in received] == ["stub", "stub"]
+
+
+def test_bench_serve_model_names_the_requests_model(openai_stub, capsys):
+    url, received = openai_stub
+    main(["bench", "serve", "--url", url, "--model", "other", "--num-prompts", "1", "--input-len", "4"])
+    assert [r["model"] for r in received] == ["other"]
+
+
+def test_serve_port_in_use_fails_before_loading_the_model(monkeypatch, capsys):
+    from kiln.runtime import engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine, "LLMEngine", no_load)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
