@@ -69,6 +69,14 @@ def test_n_logprobs_seed(client):
     assert all(len(t) <= 3 for t in lp.top_logprobs)
 
 
+def test_seeds_differing_in_high_bits_give_different_samples(client):
+    """torch's CPU generator keeps 32 bits of a seed: the engine mixes all 64 first."""
+    kw = dict(model="builtin:smollm2-135m-instruct", prompt="Once upon a time", max_tokens=16, temperature=1.0)
+    texts = [client.completions.create(seed=sd, **kw).choices[0].text
+             for sd in (-1, 2**63 - 1, 0, 2**32, -2**63, 1, 2**32 + 1)]
+    assert len(set(texts)) == len(texts), texts
+
+
 def test_stop_string_not_leaked(client, server):
     kw = dict(model="builtin:smollm2-135m-instruct", prompt="1, 2, 3, 4, 5, 6,", max_tokens=30, temperature=0)
     free = client.completions.create(**kw).choices[0].text
@@ -279,6 +287,13 @@ def test_completion_text_offset(client):
     streamed = [o for c in client.completions.create(stream=True, **kw)
                 for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
     assert streamed == lp.text_offset
+    # a stop string of several tokens: its tokens stay in logprobs, their offsets at the text's end
+    kw2 = dict(kw, prompt="The cat sat on the", max_tokens=20)
+    free = client.completions.create(**kw2).choices[0]
+    stop = free.text[3:12]
+    cut = client.completions.create(stop=[stop], **kw2).choices[0]
+    assert cut.finish_reason == "stop" and len(cut.text) <= 3
+    assert all(o <= len(cut.text) for o in cut.logprobs.text_offset), (cut.text, cut.logprobs.text_offset)
 
 
 def _raw(token: str) -> bytes:

@@ -77,6 +77,17 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def _mix_seed(seed: int, index: int) -> int:
+    """The generator seed of completion ``index`` of a request seeded with ``seed`` (int64):
+    SplitMix64's finalizer (Steele, Lea and Flood 2014) over ``seed + index * golden ratio``,
+    so seeds that differ only in their high 32 bits (which torch's CPU generator drops) or by
+    one completion index still give unrelated streams.  Returns an int in [0, 2**64)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return z ^ (z >> 31)
+
+
 def _check_max_model_len(args: EngineArgs, cfg: ModelConfig) -> None:
     """Raises ValueError when ``max_model_len`` is below 2 or exceeds the model's context (vLLM
     refuses that too: positions past the trained RoPE range give garbage), before any weight
@@ -278,7 +289,7 @@ class LLMEngine:
             gen = None
             if params.seed is not None and not params.greedy:
                 gen = torch.Generator(device=self.runner.device)
-                gen.manual_seed((params.seed + i * 0x9E3779B1) % (1 << 64))  # every int64 seed distinct
+                gen.manual_seed(_mix_seed(params.seed, i))
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), max_tokens=max_tokens,
                           arrival_time=arrival)
             if self.tokenizer is None and (params.detokenize or params.stop):

@@ -264,7 +264,8 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             for c in out.outputs:
                 ctoks += len(c.token_ids)
                 choices.append({"index": pi * params.n + c.index, "text": echoes[pi] + c.text,
-                                "logprobs": (_completion_logprobs(c.logprobs, token_text, _Offsets(len(echoes[pi])))
+                                "logprobs": (_completion_logprobs(c.logprobs, token_text, _Offsets(len(echoes[pi])),
+                                                                  len(echoes[pi]) + len(c.text))
                                              if req.logprobs is not None else None),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -287,6 +288,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         remaining = len(gens)
         finished_sent: set[int] = set()
         offsets: dict[int, _Offsets] = {}  # choice index -> its running text_offset
+        sent: dict[int, int] = {}  # choice index -> characters of its text sent so far
         try:
             for pi, text in enumerate(echoes):
                 for i in range(n if text else 0):
@@ -317,7 +319,9 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
                     if req.logprobs is not None:
                         if idx not in offsets:
                             offsets[idx] = _Offsets(len(echoes[pi]))
-                        lp_obj = _completion_logprobs(c.delta_logprobs, token_text, offsets[idx])
+                            sent[idx] = len(echoes[pi])
+                        sent[idx] += len(c.delta_text)
+                        lp_obj = _completion_logprobs(c.delta_logprobs, token_text, offsets[idx], sent[idx])
                     chunk = {"id": base, "object": "text_completion", "created": created_ts, "model": model,
                              "choices": [{"index": idx, "text": c.delta_text,
                                           "logprobs": lp_obj,
@@ -472,18 +476,21 @@ class _Offsets:
         return at
 
 
-def _completion_logprobs(lps: list[TokenLogprobs] | None, text: _TokenText, offsets: _Offsets) -> dict[str, Any] | None:
+def _completion_logprobs(lps: list[TokenLogprobs] | None, text: _TokenText, offsets: _Offsets,
+                         text_len: int) -> dict[str, Any] | None:
     """The legacy completions ``logprobs`` object.  Tokens that are not whole UTF-8 show as
     ``bytes:\\xNN`` (OpenAI's form), so distinct byte tokens stay distinct keys of
     ``top_logprobs``; ``text_offset[i]`` is the character offset in the choice's text where
-    token i starts (a token inside a split character points at that character)."""
+    token i starts (a token inside a split character points at that character), at most
+    ``text_len`` (the text returned so far: the tokens of a matched stop string, whose text
+    is cut, point at its end)."""
     if lps is None:
         return None
     return {
         "tokens": [text.completion_token(x.token_id) for x in lps],
         "token_logprobs": [x.logprob for x in lps],
         "top_logprobs": [{text.completion_token(t.token_id): t.logprob for t in x.top} for x in lps],
-        "text_offset": [offsets.advance(text.bytes_of(x.token_id)) for x in lps],
+        "text_offset": [min(offsets.advance(text.bytes_of(x.token_id)), text_len) for x in lps],
     }
 
 
