@@ -66,7 +66,9 @@ def test_n_logprobs_seed(client):
     lp = a.choices[0].logprobs
     assert len(lp.token_logprobs) == len(lp.tokens) > 0
     assert all(v <= 0.0 for v in lp.token_logprobs)
-    assert all(len(t) <= 3 for t in lp.top_logprobs)
+    assert all(len(t) <= 4 for t in lp.top_logprobs)  # the top 3 and the sampled token
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == logprob  # sampled at temperature 1: listed even outside the top 3
 
 
 def test_seeds_differing_in_high_bits_give_different_samples(client):

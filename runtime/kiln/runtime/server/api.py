@@ -489,7 +489,9 @@ def _completion_logprobs(lps: list[TokenLogprobs] | None, text: _TokenText, offs
     return {
         "tokens": [text.completion_token(x.token_id) for x in lps],
         "token_logprobs": [x.logprob for x in lps],
-        "top_logprobs": [{text.completion_token(t.token_id): t.logprob for t in x.top} for x in lps],
+        # the sampled token is always listed too (up to logprobs + 1 entries, as OpenAI and vLLM)
+        "top_logprobs": [{**{text.completion_token(t.token_id): t.logprob for t in x.top},
+                          text.completion_token(x.token_id): x.logprob} for x in lps],
         "text_offset": [min(offsets.advance(text.bytes_of(x.token_id)), text_len) for x in lps],
     }
 
