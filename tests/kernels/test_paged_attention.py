@@ -196,6 +196,14 @@ def test_fp8_cache(scale_kind, decode, words):
     assert_close(out, ref, dtype, factor=2)
 
 
+def test_fp8_words_out_of_range_is_refused():
+    k_cache, v_cache, table = make_paged_kv([20], 2, 64, 16, torch.float32)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    q, cu = make_queries([1], 8, 64, torch.float16)
+    with pytest.raises(ValueError, match="fp8_words must be 0..3, got 4"):
+        _run(q, k_cache, v_cache, table, [20], cu, k_scale=0.1, v_scale=0.1, config={"fp8_words": 4})
+
+
 def test_padded_decode_slot_gives_zeros():
     seq_lens = [12, 0, 5]
     k_cache, v_cache, table = make_paged_kv([12, 1, 5], 2, 16, 16, torch.float32)

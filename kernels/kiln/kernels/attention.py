@@ -53,11 +53,11 @@ import triton.language as tl
 from kiln.kernels.decode_attention import _load_scale, paged_decode_cuda_core
 from kiln.kernels.launch import (
     Scale,
-    interpreting,
     attention_config,
     check,
     check_last_dim_contiguous,
     decode_num_splits,
+    interpreting,
     next_power_of_2,
     scale_args,
 )

@@ -117,14 +117,16 @@ def count_cuda_core(cache="fp8", G=4, D=128, block_n=64, num_warps=4, num_stages
 
 
 def count_mma(cache="fp8", G=4, D=128, block_n=128, num_warps=4, num_stages=3, splits=2, block_size=16,
-              dump=None) -> dict:
+              dump=None, fp8_words=0) -> dict:
     scale_mode = 1 if cache == "fp8" else 0
     k = _compile(_paged_attn_kernel, _common_types(cache, "bf16"),
                  dict(HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(G)),
                       BLOCK_N=block_n, BLOCK_D=D, NUM_SPLITS=splits, IS_DECODE=True, PART_STRIDE=D + 4,
                       K_SCALE_MODE=scale_mode, V_SCALE_MODE=scale_mode, DOT_PREC="tf32",
-                      F16_DOT=cache == "fp8"), num_warps, num_stages)
-    return _report("mma", k, block_n, num_warps, dict(cache=cache, G=G, D=D, num_stages=num_stages), dump)
+                      F16_DOT=cache == "fp8", WORDS=fp8_words if cache == "fp8" else 0,
+                      CVT_PTX=bool(fp8_words) and cache == "fp8"), num_warps, num_stages)
+    return _report("mma", k, block_n, num_warps,
+                   dict(cache=cache, G=G, D=D, num_stages=num_stages, fp8_words=fp8_words), dump)
 
 
 def _report(name, kernel, block_n, warps, info, dump) -> dict:
@@ -154,10 +156,14 @@ def main(argv=None):
     ap.add_argument("--dump", default=None, help="write the SASS and TTGIR here")
     ap.add_argument("--prefetch", type=int, default=1, help="cuda_core PREFETCH (0, 1, 2)")
     ap.add_argument("--no-mma", action="store_true")
+    ap.add_argument("--mma-block-n", type=int, default=128, help="BLOCK_N of the mma kernel")
+    ap.add_argument("--mma-stages", type=int, default=3, help="num_stages of the mma kernel")
+    ap.add_argument("--fp8-words", type=int, default=0, help="mma kernel, fp8: fp8_words (0-3; 2 = V as int32 words)")
     a = ap.parse_args(argv)
     rows = [count_cuda_core(a.cache, a.G, a.D, a.block_n, a.num_warps, a.num_stages, dump=a.dump, prefetch=a.prefetch)]
     if not a.no_mma:
-        rows.append(count_mma(a.cache, a.G, a.D, dump=a.dump))
+        rows.append(count_mma(a.cache, a.G, a.D, a.mma_block_n, a.num_warps, a.mma_stages, dump=a.dump,
+                              fp8_words=a.fp8_words))
     for r in rows:
         print(f"{r['kernel']:9s} {r['cache']} G{r['G']} D{r['D']} BLOCK_N={r['BLOCK_N']} warps={r['num_warps']} "
               f"stages={r['num_stages']}: {r['loop_instrs_per_warp']} instrs/iteration/warp -> "

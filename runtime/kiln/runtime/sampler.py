@@ -61,7 +61,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row [V] (float32); returns probabilities."""
-    logits = (logits / p.temperature).clamp(max=torch.finfo(logits.dtype).max)  # finite after a tiny T
+    logits = (logits / p.temperature).clamp_(max=torch.finfo(logits.dtype).max)  # finite after a tiny T
     if p.top_k not in (-1, 0) and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -93,7 +93,7 @@ def _filter_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         t = torch.tensor(values, dtype=dtype)
         return (t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t).unsqueeze(1)
 
-    logits = (logits / col([p.temperature for p in params])).clamp(max=torch.finfo(logits.dtype).max)
+    logits = (logits / col([p.temperature for p in params])).clamp_(max=torch.finfo(logits.dtype).max)
     ks = [p.top_k if p.top_k not in (-1, 0) and p.top_k < V else 0 for p in params]
     if any(ks):
         kmax = max(ks)
