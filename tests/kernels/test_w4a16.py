@@ -226,3 +226,38 @@ def test_tuned_configs_every_group_size(M, N, K, G):
     qw, s, z = make_weight(N, K, G)
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     assert rel_err(w4a16_gemm(x, qw, s, z), w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.bfloat16]
+
+
+SWAP_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])  # the interpreter has no bfloat16 dot
+
+
+@pytest.mark.parametrize("dtype", SWAP_DTYPES)
+@pytest.mark.parametrize("M,N,K,G,bk,bm,split", [
+    (1, 48, 256, 128, 128, 8, 1),     # one row of x, one group per step
+    (5, 40, 640, 64, 64, 8, 3),       # N not a multiple of BLOCK_N, split-K over 10 steps
+    (16, 64, 192, 64, 64, 16, 2),     # a full 16-row tile
+    (19, 32, 256, 128, 128, 16, 1),   # two row tiles
+])
+def test_swap_kernel_matches_reference(dtype, M, N, K, G, bk, bm, split):
+    """The swap-AB tensor-core kernel (weight as the A operand, code pairs in x's dtype, dot K
+    order permuted within each block of 64) against the float32 reference, with a strided x;
+    repeated calls give the same bits (split-K counters back at zero)."""
+    qw, s, z = make_weight(N, K, G, seed=7)
+    x = torch.randn(M, 2 * K, device=DEVICE).to(dtype)[:, ::2]
+    cfg = {"KERNEL": "swap", "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 1,
+           "num_stages": 1}
+    out = w4a16_gemm(x, qw, s, z, config=cfg)
+    ref = w4a16_ref(x.contiguous(), qw, s, z)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(out, w4a16_gemm(x, qw, s, z, config=cfg))
+
+
+def test_swap_kernel_refuses_what_it_cannot_do():
+    qw, s, z = make_weight(32, 256, 64)
+    cfg = {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1,
+           "num_stages": 1}
+    with pytest.raises(ValueError, match="G % BLOCK_K"):  # a group smaller than the step
+        w4a16_gemm(torch.randn(2, 256, device=DEVICE).half(), qw, s, z, config=cfg)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        w4a16_gemm(torch.randn(2, 256, device=DEVICE), qw, s, z, config=dict(cfg, BLOCK_K=64))

@@ -18,7 +18,7 @@ conversion, no per-weight scale).  Within one group ``sum_k (q - z) s x = 16 s s
 (16 + z) s sum x``, so the scale and zero point are applied once per group and column to the
 partial sums (two FMAs per 8 weights), not to each weight.
 
-Three kernels:
+Four kernels:
 
 * ``_gemv_kernel`` (small M, no tensor cores): a ``[BLOCK_M, BLOCK_K / 8, BLOCK_N]`` tile of
   FMAs per nibble into per-row accumulators, reduced over the rows once at the end.  At
@@ -51,6 +51,10 @@ Three kernels:
   same words are computed lane by lane with integer and float32 ops (same bits, same order).
 * ``_mma_kernel`` (larger M): eight ``tl.dot`` of depth ``BLOCK_K / 8`` per step on the same
   ``f`` values (exact in bf16/fp16), group correction on the fp32 dot result.
+* ``w4a16_swap._swap_kernel`` (M <= 16, float16/bfloat16 x, ``G % BLOCK_K == 0``; ``KERNEL:
+  "swap"``): the weight as the A operand of the tensor cores, two codes per LOP3 (that
+  module's docstring).  H200: 5-13 % faster than ``_mma_kernel`` at M = 8, 16 and exact to
+  ~1e-4 (the packed-half GEMVs: ~1.7e-3).
 
 All split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
 SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs, where each
@@ -554,26 +558,26 @@ def _mma_kernel(
 # 5..8 use 8's, 9..16 use 16's).  H200 sweep (``kiln.runtime.quantization.gpu_bench``,
 # docs/benchmarks.md); shapes or M not listed fall back to the heuristics of ``choose_config``.
 TUNED: dict[tuple[int, int, int], dict] = {
-    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 10.5 us, 1.56x bf16
-    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 10.9 us, 1.42x bf16
-    (6144, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 14.7 us, 1.08x bf16
-    (6144, 4096, 8): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},
-    (6144, 4096, 16): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},
-    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 8.9 us, 1.49x bf16
-    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 9.8 us, 1.32x bf16
-    (4096, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 12.8 us, 1.02x bf16
-    (4096, 4096, 8): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},
-    (4096, 4096, 16): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},
-    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 23.6 us, 2.42x bf16
-    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 28.0 us, 2.02x bf16
-    (28672, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 256, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},  # 45.7 us, 1.24x bf16
-    (28672, 4096, 8): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 2},
-    (28672, 4096, 16): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 2},
-    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 8},  # 16.0 us, 1.97x bf16
-    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 19.3 us, 1.62x bf16
-    (4096, 14336, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 27.8 us, 1.14x bf16
-    (4096, 14336, 8): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 16},
-    (4096, 14336, 16): {"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 16},
+    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 10.4 us, 1.50x bf16
+    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 10.8 us, 1.52x bf16
+    (6144, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 14.5 us, 1.11x bf16
+    (6144, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "SPLIT_K": 8},  # 16.8 us, 0.94x bf16
+    (6144, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8},  # 18.6 us, 0.86x bf16
+    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 8.7 us, 1.53x bf16
+    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 9.6 us, 1.37x bf16
+    (4096, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 12.6 us, 1.04x bf16
+    (4096, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "SPLIT_K": 8},  # 13.2 us, 0.99x bf16
+    (4096, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "SPLIT_K": 8},  # 15.6 us, 0.85x bf16
+    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 23.5 us, 2.92x bf16
+    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 27.8 us, 2.32x bf16
+    (28672, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 1},  # 45.3 us, 1.42x bf16
+    (28672, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 4},  # 47.0 us, 1.37x bf16
+    (28672, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 2},  # 53.4 us, 1.21x bf16
+    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 8},  # 15.9 us, 2.11x bf16
+    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 19.2 us, 1.74x bf16
+    (4096, 14336, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 27.5 us, 1.23x bf16
+    (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 16},  # 29.7 us, 1.11x bf16
+    (4096, 14336, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 16},  # 31.7 us, 1.07x bf16
 }
 
 
@@ -624,9 +628,11 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
 
     ``TUNED`` first (H200 sweep).  Otherwise: M <= 2, a CUDA-core GEMV kernel with enough K
     splits for about four programs per SM (the packed-half ``gemv2`` for float16/bfloat16 x and
-    groups of 32k, else the float32 ``gemv``: 64 x 128 tiles, split 4-8 in the sweep); M <= 64,
-    the tensor-core kernel with a 16-row tile and the same split rule; larger M, 128 x 128
-    tiles without a split.  Under the CPU interpreter: small tiles.
+    groups of 32k, else the float32 ``gemv``: 64 x 128 tiles, split 4-8 in the sweep); M <= 16
+    with float16/bfloat16 x and groups of 64k, the swap-AB tensor-core kernel
+    (``w4a16_swap``); M <= 64, the tensor-core kernel with x as the A operand and a 16-row
+    tile, same split rule; larger M, 128 x 128 tiles without a split.  Under the CPU
+    interpreter: small tiles.
 
     ``kernel`` ("gemv" or "gemv2"; default ``SMALL_M_KERNEL``) forces the GEMV kernel for
     M <= 4: ``TUNED``'s entry if it is that kernel, else that kernel's default.  ``gemv2``
@@ -640,6 +646,9 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     tuned = TUNED.get((N, K, m_bucket(M)))
     if tuned is not None and tuned["KERNEL"] == "gemv2" and not gemv2_ok:
         tuned = None  # measured for float16/bfloat16 x and groups of 32k only
+    half = dtype in (torch.float16, torch.bfloat16)
+    if tuned is not None and tuned["KERNEL"] == "swap" and not (half and group_size % tuned["BLOCK_K"] == 0):
+        tuned = None  # the swap kernel needs float16/bfloat16 x and whole groups per step
     if tuned is not None and device.type == "cuda" and kernel in (None, tuned["KERNEL"]):
         return dict(tuned)
     if kernel is None and M <= 2:
@@ -666,6 +675,10 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     if kernel == "gemv":  # H200: the GEMV kernel wins at M = 1, 2, the tensor-core one from M = 4
         return {"KERNEL": "gemv", "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 64, "BLOCK_K": bk,
                 "SPLIT_K": split_for(triton.cdiv(N, 64)), "num_warps": 4, "num_stages": 2}
+    if M <= 16 and half and group_size % 64 == 0:  # H200: the swap kernel beats "mma" at M = 8, 16
+        bk = 128 if group_size % 128 == 0 else 64
+        return {"KERNEL": "swap", "BLOCK_M": 8 if M <= 8 else 16, "BLOCK_N": 128, "BLOCK_K": bk,
+                "SPLIT_K": split_for(triton.cdiv(N, 128), bk), "num_warps": 4, "num_stages": 3}
     if M <= 64:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         return {"KERNEL": "mma", "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 128,
@@ -705,6 +718,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         raise ValueError(f"BLOCK_K {bk} must be a multiple of {KBLOCK} (and >= 128 for the mma kernel)")
     if cfg["KERNEL"] == "gemv2" and (G % 32 or cfg["BLOCK_M"] > 4):
         raise ValueError(f"the gemv2 kernel needs G % 32 == 0 and BLOCK_M <= 4, got G={G}, {cfg['BLOCK_M']}")
+    if cfg["KERNEL"] == "swap" and (G % bk or x.dtype == torch.float32 or cfg["BLOCK_M"] < 8):
+        raise ValueError(f"the swap kernel needs float16/bfloat16 x, G % BLOCK_K == 0 and BLOCK_M >= 8, got "
+                         f"{x.dtype}, G={G}, BLOCK_K={bk}, BLOCK_M={cfg['BLOCK_M']}")
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
@@ -731,7 +747,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
             qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1))
     meta = dict(GROUP_SIZE=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, HAS_SPLIT=split > 1,
                 NUM_STAGES=cfg["num_stages"], ASM=_use_asm(x), num_warps=cfg["num_warps"])
-    if cfg["KERNEL"] == "gemv":
+    if cfg["KERNEL"] == "swap":
+        from .w4a16_swap import _swap_kernel  # (imports ``_finish`` from here)
+
+        _swap_kernel[grid](*args, **meta, X_F16=x.dtype == torch.float16, EVEN_N=N % cfg["BLOCK_N"] == 0)
+    elif cfg["KERNEL"] == "gemv":
         _gemv_kernel[grid](*args, **meta)
     else:
         _mma_kernel[grid](*args, **meta, DOT_DTYPE=_TL[x.dtype],

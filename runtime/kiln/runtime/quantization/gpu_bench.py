@@ -54,22 +54,25 @@ def graph_time(fns, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps / len(fns)
 
 
+GEMV2_SPACE = [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
+               for bn in (128, 256, 512) for bk, w in ((256, 4), (512, 8)) for st in (1, 2)]
+
+# the swap-AB tensor-core kernel (group 128: BLOCK_K 64 or 128); BLOCK_M 8 (mma.sync) or 16 (wgmma)
+SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
+               for bn, w in ((128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3, 4)]
+              + [{"KERNEL": "swap", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": st} for st in (3, 4)])
+
+
 def _w4a16_space(M: int) -> list[dict]:
-    """Launch configs swept for one M bucket (without SPLIT_K)."""
+    """Launch configs swept for one M bucket (without SPLIT_K): the packed-half GEMV (M <= 4),
+    the tensor-core kernel with x as the A operand (M >= 4) and the swap-AB one (all M)."""
     out = []
     if M <= 4:
-        for bn in (64, 128):
-            for bk in (64, 128):
-                for st in (2, 4):
-                    if M == 4 and bn == 128 and bk == 128:
-                        continue  # spills
-                    out.append({"KERNEL": "gemv", "BLOCK_M": M, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4,
-                                "num_stages": st})
+        out += [dict(c, BLOCK_M=M) for c in GEMV2_SPACE]
     if M >= 4:
-        for bn, w in ((32, 4), (64, 4), (128, 4), (128, 8)):
-            for st in (2, 4):
-                out.append({"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w,
-                            "num_stages": st})
+        for bn, w in ((64, 4), (128, 4), (128, 8)):
+            out.append({"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 2})
+    out += [dict(c, BLOCK_M=8 if M <= 8 else 16) for c in SWAP_SPACE]
     return out
 
 
@@ -122,6 +125,7 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             best = None
+            per_kernel: dict[str, float] = {}  # best sweep time (us) of each kernel
             for cfg in _w4a16_space(M):
                 for sp in splits:
                     c = dict(cfg, SPLIT_K=sp)
@@ -130,9 +134,11 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -
                                         for p in q[:16]], reps=5)
                     except Exception:  # noqa: BLE001 - resources exceeded etc.
                         continue
+                    per_kernel[c["KERNEL"]] = min(per_kernel.get(c["KERNEL"], float("inf")), t * 1e6)
                     if best is None or t < best[0]:
                         best = (t, c)
             TUNED[(N, K, M)] = best[1]
+            packed = q[0]
             ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
             errs = []
             for _ in range(3):  # repeated: the split-K counters must come back to zero
@@ -143,15 +149,11 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -
             nbytes = N * K / 2 + N * K // 128 * 3
             rows.append({"shape": name, "N": N, "K": K, "M": M, "bf16_us": t_bf16 * 1e6, "w4a16_us": t_w4 * 1e6,
                          "speedup": t_bf16 / t_w4, "w4a16_GBps": nbytes / t_w4 / 1e9, "max_rel_err": max(errs),
-                         "config": best[1]})
+                         "config": best[1], "sweep_us_by_kernel": {k: round(v, 2) for k, v in per_kernel.items()}})
             print(json.dumps(rows[-1]), flush=True)
         del w, q
     print("TUNED = " + json.dumps({f"{k[0]},{k[1]},{k[2]}": v for k, v in TUNED.items()}), flush=True)
     return rows
-
-
-GEMV2_SPACE = [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
-               for bn in (128, 256, 512) for bk, w in ((256, 4), (512, 8)) for st in (1, 2)]
 
 
 def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
@@ -173,6 +175,7 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
         nbytes = N * K / 2 + N * K // 128 * 3
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            packed = q[0]
             ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
 
             def timed(c):

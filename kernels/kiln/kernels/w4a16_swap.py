@@ -1,0 +1,140 @@
+"""Tensor-core W4A16 kernel for small M (1..16): the weight is the A operand ("swap AB").
+
+``y^T = W x^T``: a program computes a ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` with the
+dequantized weight tile in registers as the A operand of ``tl.dot`` and the few rows of x as
+the B operand.  On Hopper Triton lowers a dot whose A operand is computed in registers to
+``wgmma`` with A from registers (B from shared memory), so the weights go global -> shared
+(``cp.async`` pipeline) -> registers -> tensor cores without a shared-memory round trip of the
+dequantized values; BLOCK_M = 8 uses ``mma.sync``.  Swapping A and B for small M is what
+TensorRT-LLM's "swapAB" GEMMs and vLLM's Machete (mixed-input GEMM on Hopper) do; the code
+here is Kiln's own.
+
+Dequantization, two weights per instruction: a packed word of the format (``w4a16``'s
+docstring: nibble ``i`` of packed row ``r`` in block ``b`` is ``W[n, 64 b + 8 i + r]``) ANDed
+with ``0x000F000F`` after a right shift by ``4 t`` holds nibbles ``t`` and ``t + 4`` in the low
+bits of its two 16-bit halves; OR-ing ``0x4300`` (bfloat16 128.0) or ``0x6400`` (float16
+1024.0) into both halves (one LOP3 for AND and OR) gives the exact pair ``(OFFSET + q_t,
+OFFSET + q_{t+4})`` as one packed register: the pair of consecutive K elements that a
+tensor-core A fragment register holds.  So the dot's K order is a permutation of the true K
+columns (element ``2 r + j`` of pair set ``t`` is column ``64 (r // 8) + 8 (t + 4 j) + r % 8``)
+and x is gathered in the same order.  Per group and column the offset and zero point come off
+the float32 dot result: ``sum_k (q - z) s x = s (sum (OFFSET + q) x - (OFFSET + z) sum x)``
+(``GROUP_SIZE % BLOCK_K == 0``: one group per step).  Offline sm_90 SASS of the loop
+(BLOCK_N 128, BLOCK_K 128, M 16, 4 warps): ~0.13 warp instructions per weight, against ~0.20
+for ``w4a16._mma_kernel`` (float32 nibbles converted to bfloat16).  Measured on an H200
+(docs/benchmarks.md, session 6): 5-13 % faster than ``_mma_kernel`` at M = 8 and 16 on the
+Llama-3.1-8B projections, but its time hardly changes with M (gate_up: 45-53 us from M = 1 to
+16, 1.15-1.36 TB/s): it is bound neither by issue (~15 us of instructions) nor by DRAM
+bandwidth (~15 us), which is why the GEMV kernels still win at M <= 4.
+
+Without ``ASM`` (the CPU interpreter) the same values are computed with integer ops.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .w4a16 import _finish
+
+# (code pair t, x dtype) -> one PTX op per packed word pair: shift by 4 t, then AND + OR
+_BF16_0 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;")
+_BF16_1 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
+_BF16_2 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
+_BF16_3 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
+_F16_0 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;")
+_F16_1 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }")
+_F16_2 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }")
+_F16_3 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }")
+
+
+@triton.jit
+def _pair_asm(pp, asm: tl.constexpr, X_F16: tl.constexpr):
+    if X_F16:
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [pp], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [pp], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _code_pairs(p, T: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, X_F16: tl.constexpr,
+                ASM: tl.constexpr):
+    """``[BLOCK_N, 2 R]`` in x's dtype: element ``(n, 2 r + j)`` = OFFSET + nibble ``T + 4 j`` of
+    the packed word ``p[n, r]`` (exact; OFFSET 128 for bfloat16, 1024 for float16)."""
+    pp = tl.join(p, p).reshape(BLOCK_N, 2 * R)  # both elements of a pair read the same word
+    if ASM:
+        if X_F16:
+            if T == 0:
+                w = _pair_asm(pp, _F16_0, True)
+            elif T == 1:
+                w = _pair_asm(pp, _F16_1, True)
+            elif T == 2:
+                w = _pair_asm(pp, _F16_2, True)
+            else:
+                w = _pair_asm(pp, _F16_3, True)
+        else:
+            if T == 0:
+                w = _pair_asm(pp, _BF16_0, False)
+            elif T == 1:
+                w = _pair_asm(pp, _BF16_1, False)
+            elif T == 2:
+                w = _pair_asm(pp, _BF16_2, False)
+            else:
+                w = _pair_asm(pp, _BF16_3, False)
+    else:
+        shift = 4 * T + 16 * (tl.arange(0, 2 * R) % 2)
+        q = (pp >> shift[None, :]) & 0xF
+        if X_F16:
+            w = (q + 1024).to(tl.float32).to(tl.float16)
+        else:
+            w = (q + 128).to(tl.float32).to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _swap_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, SPLIT_K,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, ASM: tl.constexpr, X_F16: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
+    # GROUP_SIZE % BLOCK_K == 0 and K % GROUP_SIZE == 0, so every step is whole in K
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    R: tl.constexpr = BLOCK_K // 8  # packed rows per step
+    OFFSET: tl.constexpr = 1024.0 if X_F16 else 128.0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    rr = tl.arange(0, 2 * R)
+    kq = 64 * (rr // 16) + 32 * (rr % 2) + (rr // 2) % 8  # K column (in the step) of dot row rr, pair set 0
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        q_ptrs = qw_ptr + (k0 // 8 + offs_r)[None, :] * stride_qk + offs_n[:, None] * stride_qn
+        if EVEN_N:
+            p = tl.load(q_ptrs)
+        else:
+            p = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n, other=0).to(tl.float32)
+        kr = k0 + tl.arange(0, BLOCK_K)
+        xrow = tl.load(x_ptr + offs_m[None, :] * stride_xm + kr[:, None] * stride_xk,
+                       mask=mask_m[None, :], other=0.0)
+        xs = tl.sum(xrow.to(tl.float32), axis=0)  # [BLOCK_M]: the step's sum of x
+        raw = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for t in tl.static_range(4):
+            kk = k0 + kq + 8 * t
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None] * stride_xk,
+                         mask=mask_m[None, :], other=0.0)
+            raw = tl.dot(_code_pairs(p, t, BLOCK_N, R, X_F16, ASM), xt, raw)
+        acc += s[:, None] * raw - (s * (z + OFFSET))[:, None] * xs[None, :]
+    _finish(tl.trans(acc), out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
+            pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
