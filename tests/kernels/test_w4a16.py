@@ -231,6 +231,7 @@ def test_tuned_configs_every_group_size(M, N, K, G):
 SWAP_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])  # the interpreter has no bfloat16 dot
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("dtype", SWAP_DTYPES)
 @pytest.mark.parametrize("M,N,K,G,bk,bm,split", [
     (1, 48, 256, 128, 128, 8, 1),     # one row of x, one group per step
@@ -238,14 +239,15 @@ SWAP_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])  # the in
     (16, 64, 192, 64, 64, 16, 2),     # a full 16-row tile
     (19, 32, 256, 128, 128, 16, 1),   # two row tiles
 ])
-def test_swap_kernel_matches_reference(dtype, M, N, K, G, bk, bm, split):
+def test_swap_kernel_matches_reference(dtype, M, N, K, G, bk, bm, split, prefetch):
     """The swap-AB tensor-core kernel (weight as the A operand, code pairs in x's dtype, dot K
-    order permuted within each block of 64) against the float32 reference, with a strided x;
+    order permuted within each block of 64; x, scales and zero points loaded in the step or one
+    step ahead) against the float32 reference, with a strided x;
     repeated calls give the same bits (split-K counters back at zero)."""
     qw, s, z = make_weight(N, K, G, seed=7)
     x = torch.randn(M, 2 * K, device=DEVICE).to(dtype)[:, ::2]
     cfg = {"KERNEL": "swap", "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 1,
-           "num_stages": 1}
+           "num_stages": 1, "PREFETCH": prefetch}
     out = w4a16_gemm(x, qw, s, z, config=cfg)
     ref = w4a16_ref(x.contiguous(), qw, s, z)
     assert out.dtype == dtype and out.shape == (M, N)

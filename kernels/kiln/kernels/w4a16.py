@@ -750,7 +750,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     if cfg["KERNEL"] == "swap":
         from .w4a16_swap import _swap_kernel  # (imports ``_finish`` from here)
 
-        _swap_kernel[grid](*args, **meta, X_F16=x.dtype == torch.float16, EVEN_N=N % cfg["BLOCK_N"] == 0)
+        _swap_kernel[grid](*args, **meta, X_F16=x.dtype == torch.float16, EVEN_N=N % cfg["BLOCK_N"] == 0,
+                           PREFETCH=cfg.get("PREFETCH", 0))
     elif cfg["KERNEL"] == "gemv":
         _gemv_kernel[grid](*args, **meta)
     else:

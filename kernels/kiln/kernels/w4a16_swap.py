@@ -92,13 +92,27 @@ def _code_pairs(p, T: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, X_F1
 
 
 @triton.jit
+def _step_loads(x_ptr, s_ptr, z_ptr, k0, valid, offs_m, offs_n, mask_m, mask_n, stride_xm, stride_xk, stride_sg,
+                stride_sn, stride_zg, stride_zn, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x ``[BLOCK_K, BLOCK_M]`` (K-major: the B operand's orientation), scales and zero points
+    ``[BLOCK_N]`` of the step at ``k0`` (zeros where ``valid`` is false: past the split)."""
+    kr = k0 + tl.arange(0, BLOCK_K)
+    xrow = tl.load(x_ptr + offs_m[None, :] * stride_xm + kr[:, None] * stride_xk, mask=mask_m[None, :] & valid,
+                   other=0.0)
+    g = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n & valid, other=0.0)
+    z = tl.load(z_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n & valid, other=0)
+    return xrow, s, z
+
+
+@triton.jit
 def _swap_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, SPLIT_K,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, ASM: tl.constexpr, X_F16: tl.constexpr,
-    EVEN_N: tl.constexpr,
+    EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # GROUP_SIZE % BLOCK_K == 0 and K % GROUP_SIZE == 0, so every step is whole in K
     pid_n = tl.program_id(0)
@@ -111,30 +125,43 @@ def _swap_kernel(
     offs_r = tl.arange(0, R)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    rr = tl.arange(0, 2 * R)
-    kq = 64 * (rr // 16) + 32 * (rr % 2) + (rr // 2) % 8  # K column (in the step) of dot row rr, pair set 0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if PREFETCH:  # the first step's x, scales and zero points (then one step ahead, in registers)
+        xrow_n, s_n, z_n = _step_loads(x_ptr, s_ptr, z_ptr, k_lo, k_lo < k_hi, offs_m, offs_n, mask_m, mask_n,
+                                       stride_xm, stride_xk, stride_sg, stride_sn, stride_zg, stride_zn,
+                                       GROUP_SIZE, BLOCK_K)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         q_ptrs = qw_ptr + (k0 // 8 + offs_r)[None, :] * stride_qk + offs_n[:, None] * stride_qn
         if EVEN_N:
             p = tl.load(q_ptrs)
         else:
             p = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n, other=0).to(tl.float32)
-        kr = k0 + tl.arange(0, BLOCK_K)
-        xrow = tl.load(x_ptr + offs_m[None, :] * stride_xm + kr[:, None] * stride_xk,
-                       mask=mask_m[None, :], other=0.0)
+        if PREFETCH:
+            xrow, s, z = xrow_n, s_n, z_n
+            xrow_n, s_n, z_n = _step_loads(x_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k0 + BLOCK_K < k_hi, offs_m, offs_n,
+                                           mask_m, mask_n, stride_xm, stride_xk, stride_sg, stride_sn, stride_zg,
+                                           stride_zn, GROUP_SIZE, BLOCK_K)
+        else:
+            xrow, s, z = _step_loads(x_ptr, s_ptr, z_ptr, k0, True, offs_m, offs_n, mask_m, mask_n, stride_xm,
+                                     stride_xk, stride_sg, stride_sn, stride_zg, stride_zn, GROUP_SIZE, BLOCK_K)
+        s = s.to(tl.float32)
+        z = z.to(tl.float32)
         xs = tl.sum(xrow.to(tl.float32), axis=0)  # [BLOCK_M]: the step's sum of x
+        # the four B operands from the step's x tile (no gathers): column
+        # 64 b + 32 j + 8 t + r' of the step is row 2 (8 b + r') + j of operand t = 2 t1 + t0
+        x6 = tl.reshape(xrow, (BLOCK_K // 64, 2, 2, 2, 8, BLOCK_M))  # (b, j, t1, t0, r', m)
+        x6 = tl.permute(x6, (0, 4, 1, 5, 2, 3))  # (b, r', j, m, t1, t0)
+        x4 = tl.reshape(x6, (2 * R, BLOCK_M, 2, 2))
+        xa, xb = tl.split(x4)  # t0 = 0, 1 (the last axis)
+        x0, x2 = tl.split(xa)  # t = 0, 2
+        x1, x3 = tl.split(xb)  # t = 1, 3
         raw = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for t in tl.static_range(4):
-            kk = k0 + kq + 8 * t
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None] * stride_xk,
-                         mask=mask_m[None, :], other=0.0)
-            raw = tl.dot(_code_pairs(p, t, BLOCK_N, R, X_F16, ASM), xt, raw)
+        raw = tl.dot(_code_pairs(p, 0, BLOCK_N, R, X_F16, ASM), x0, raw)
+        raw = tl.dot(_code_pairs(p, 1, BLOCK_N, R, X_F16, ASM), x1, raw)
+        raw = tl.dot(_code_pairs(p, 2, BLOCK_N, R, X_F16, ASM), x2, raw)
+        raw = tl.dot(_code_pairs(p, 3, BLOCK_N, R, X_F16, ASM), x3, raw)
         acc += s[:, None] * raw - (s * (z + OFFSET))[:, None] * xs[None, :]
     _finish(tl.trans(acc), out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
             pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)

@@ -58,9 +58,10 @@ GEMV2_SPACE = [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "nu
                for bn in (128, 256, 512) for bk, w in ((256, 4), (512, 8)) for st in (1, 2)]
 
 # the swap-AB tensor-core kernel (group 128: BLOCK_K 64 or 128); BLOCK_M 8 (mma.sync) or 16 (wgmma)
-SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
-               for bn, w in ((128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3, 4)]
-              + [{"KERNEL": "swap", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": st} for st in (3, 4)])
+SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st, "PREFETCH": pf}
+               for bn, w in ((128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3, 4) for pf in (0, 1)]
+              + [{"KERNEL": "swap", "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": st, "PREFETCH": 1}
+                 for st in (3, 4)])
 
 
 def _w4a16_space(M: int) -> list[dict]:
