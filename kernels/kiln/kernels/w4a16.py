@@ -53,8 +53,9 @@ Four kernels:
   ``f`` values (exact in bf16/fp16), group correction on the fp32 dot result.
 * ``w4a16_swap._swap_kernel`` (M <= 16, float16/bfloat16 x, ``G % BLOCK_K == 0``; ``KERNEL:
   "swap"``): the weight as the A operand of the tensor cores, two codes per LOP3 (that
-  module's docstring).  H200: 5-13 % faster than ``_mma_kernel`` at M = 8, 16 and exact to
-  ~1e-4 (the packed-half GEMVs: ~1.7e-3).
+  module's docstring).  H200 (Llama-3.1-8B projections): the fastest kernel at M = 4..16,
+  1.3-1.4x ``_mma_kernel`` and 1.1-1.4x ``gemv2`` at M = 4; exact to ~1e-4 (the packed-half
+  GEMVs: ~1.7e-3).
 
 All split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
 SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs, where each
@@ -558,26 +559,26 @@ def _mma_kernel(
 # 5..8 use 8's, 9..16 use 16's).  H200 sweep (``kiln.runtime.quantization.gpu_bench``,
 # docs/benchmarks.md); shapes or M not listed fall back to the heuristics of ``choose_config``.
 TUNED: dict[tuple[int, int, int], dict] = {
-    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 10.4 us, 1.50x bf16
-    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 10.8 us, 1.52x bf16
-    (6144, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 14.5 us, 1.11x bf16
-    (6144, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "SPLIT_K": 8},  # 16.8 us, 0.94x bf16
-    (6144, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8},  # 18.6 us, 0.86x bf16
-    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 8.7 us, 1.53x bf16
-    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 9.6 us, 1.37x bf16
-    (4096, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 12.6 us, 1.04x bf16
-    (4096, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "SPLIT_K": 8},  # 13.2 us, 0.99x bf16
-    (4096, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "SPLIT_K": 8},  # 15.6 us, 0.85x bf16
-    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 23.5 us, 2.92x bf16
-    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 27.8 us, 2.32x bf16
-    (28672, 4096, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 1},  # 45.3 us, 1.42x bf16
-    (28672, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "SPLIT_K": 4},  # 47.0 us, 1.37x bf16
-    (28672, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 2},  # 53.4 us, 1.21x bf16
-    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 8},  # 15.9 us, 2.11x bf16
-    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 19.2 us, 1.74x bf16
-    (4096, 14336, 4): {"KERNEL": "gemv2", "BLOCK_M": 4, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 27.5 us, 1.23x bf16
-    (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 16},  # 29.7 us, 1.11x bf16
-    (4096, 14336, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 16},  # 31.7 us, 1.07x bf16
+    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 10.5 us, 1.48x bf16
+    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 10.9 us, 1.50x bf16
+    (6144, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "PREFETCH": 1, "SPLIT_K": 8},  # 13.5 us, 1.20x bf16
+    (6144, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "PREFETCH": 1, "SPLIT_K": 8},  # 13.7 us, 1.16x bf16
+    (6144, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 14.2 us, 1.13x bf16
+    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 8.7 us, 1.52x bf16
+    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 9.7 us, 1.34x bf16
+    (4096, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.4 us, 1.27x bf16
+    (4096, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.5 us, 1.25x bf16
+    (4096, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 11.4 us, 1.17x bf16
+    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 23.6 us, 2.72x bf16
+    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 27.8 us, 2.31x bf16
+    (28672, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.0 us, 1.65x bf16
+    (28672, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.2 us, 1.72x bf16
+    (28672, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 2},  # 40.7 us, 1.57x bf16
+    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 8},  # 16.0 us, 2.10x bf16
+    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 19.3 us, 1.74x bf16
+    (4096, 14336, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.3 us, 1.46x bf16
+    (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.5 us, 1.50x bf16
+    (4096, 14336, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 25.1 us, 1.36x bf16
 }
 
 
@@ -628,8 +629,8 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
 
     ``TUNED`` first (H200 sweep).  Otherwise: M <= 2, a CUDA-core GEMV kernel with enough K
     splits for about four programs per SM (the packed-half ``gemv2`` for float16/bfloat16 x and
-    groups of 32k, else the float32 ``gemv``: 64 x 128 tiles, split 4-8 in the sweep); M <= 16
-    with float16/bfloat16 x and groups of 64k, the swap-AB tensor-core kernel
+    groups of 32k, else the float32 ``gemv``: 64 x 128 tiles, split 4-8 in the sweep); 2 < M <=
+    16 with float16/bfloat16 x and groups of 64k, the swap-AB tensor-core kernel
     (``w4a16_swap``); M <= 64, the tensor-core kernel with x as the A operand and a 16-row
     tile, same split rule; larger M, 128 x 128 tiles without a split.  Under the CPU
     interpreter: small tiles.
@@ -675,9 +676,9 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     if kernel == "gemv":  # H200: the GEMV kernel wins at M = 1, 2, the tensor-core one from M = 4
         return {"KERNEL": "gemv", "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 64, "BLOCK_K": bk,
                 "SPLIT_K": split_for(triton.cdiv(N, 64)), "num_warps": 4, "num_stages": 2}
-    if M <= 16 and half and group_size % 64 == 0:  # H200: the swap kernel beats "mma" at M = 8, 16
+    if 2 < M <= 16 and half and group_size % 64 == 0:  # H200: the swap kernel wins from M = 4 (gemv2 below)
         bk = 128 if group_size % 128 == 0 else 64
-        return {"KERNEL": "swap", "BLOCK_M": 8 if M <= 8 else 16, "BLOCK_N": 128, "BLOCK_K": bk,
+        return {"KERNEL": "swap", "BLOCK_M": 8 if M <= 8 else 16, "BLOCK_N": 128, "BLOCK_K": bk, "PREFETCH": 1,
                 "SPLIT_K": split_for(triton.cdiv(N, 128), bk), "num_warps": 4, "num_stages": 3}
     if M <= 64:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64

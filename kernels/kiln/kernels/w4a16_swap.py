@@ -21,11 +21,18 @@ and x is gathered in the same order.  Per group and column the offset and zero p
 the float32 dot result: ``sum_k (q - z) s x = s (sum (OFFSET + q) x - (OFFSET + z) sum x)``
 (``GROUP_SIZE % BLOCK_K == 0``: one group per step).  Offline sm_90 SASS of the loop
 (BLOCK_N 128, BLOCK_K 128, M 16, 4 warps): ~0.13 warp instructions per weight, against ~0.20
-for ``w4a16._mma_kernel`` (float32 nibbles converted to bfloat16).  Measured on an H200
-(docs/benchmarks.md, session 6): 5-13 % faster than ``_mma_kernel`` at M = 8 and 16 on the
-Llama-3.1-8B projections, but its time hardly changes with M (gate_up: 45-53 us from M = 1 to
-16, 1.15-1.36 TB/s): it is bound neither by issue (~15 us of instructions) nor by DRAM
-bandwidth (~15 us), which is why the GEMV kernels still win at M <= 4.
+for ``w4a16._mma_kernel`` (float32 nibbles converted to bfloat16).
+
+x is read once per step as a ``[BLOCK_K, BLOCK_M]`` tile and cut into the four B operands with
+reshape / permute / split (per-element gathers of x cost 33 scalar loads per thread and step,
+on the critical path); with ``PREFETCH`` the x tile, scales and zero points of the next step
+are loaded while the current one is computed (Triton's pipeliner only stages the weights).
+H200, Llama-3.1-8B projections (docs/benchmarks.md, session 6): gather -> tile + prefetch took
+gate_up at M = 8 from 47.0 to 39.2 us and down from 29.7 to 22.5 us; the kernel is the fastest
+at M = 4..16 (1.16-1.72x bf16 cuBLAS), the packed-half GEMV (``gemv2``) at M = 1, 2.  Its time
+hardly depends on M (gate_up 38-41 us for M = 1..16, ~1.5 TB/s): neither issue (~12 us of
+instructions) nor DRAM bandwidth (~15 us) bounds it; the weights still go to shared memory as
+4-byte ``cp.async`` copies (the shared layout Triton picks is K-major), a lead for later.
 
 Without ``ASM`` (the CPU interpreter) the same values are computed with integer ops.
 """
