@@ -104,8 +104,8 @@ def _step_loads(x_ptr, s_ptr, z_ptr, k0, valid, offs_m, offs_n, mask_m, mask_n, 
     """x ``[BLOCK_K, BLOCK_M]`` (K-major: the B operand's orientation), scales and zero points
     ``[BLOCK_N]`` of the step at ``k0`` (zeros where ``valid`` is false: past the split)."""
     kr = k0 + tl.arange(0, BLOCK_K)
-    xrow = tl.load(x_ptr + offs_m[None, :] * stride_xm + kr[:, None] * stride_xk, mask=mask_m[None, :] & valid,
-                   other=0.0)
+    xrow = tl.trans(tl.load(x_ptr + offs_m[:, None] * stride_xm + kr[None, :] * stride_xk,
+                            mask=mask_m[:, None] & valid, other=0.0))  # loaded K-contiguous (vector loads)
     g = k0 // GROUP_SIZE
     s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n & valid, other=0.0)
     z = tl.load(z_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n & valid, other=0)
@@ -139,12 +139,12 @@ def _swap_kernel(
         xrow_n, s_n, z_n = _step_loads(x_ptr, s_ptr, z_ptr, k_lo, k_lo < k_hi, offs_m, offs_n, mask_m, mask_n,
                                        stride_xm, stride_xk, stride_sg, stride_sn, stride_zg, stride_zn,
                                        GROUP_SIZE, BLOCK_K)
+    q_base = qw_ptr + offs_r[None, :] * stride_qk + offs_n[:, None] * stride_qn
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        q_ptrs = qw_ptr + (k0 // 8 + offs_r)[None, :] * stride_qk + offs_n[:, None] * stride_qn
         if EVEN_N:
-            p = tl.load(q_ptrs)
+            p = tl.load(q_base + (k0 // 8) * stride_qk)
         else:
-            p = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
+            p = tl.load(q_base + (k0 // 8) * stride_qk, mask=mask_n[:, None], other=0)
         if PREFETCH:
             xrow, s, z = xrow_n, s_n, z_n
             xrow_n, s_n, z_n = _step_loads(x_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k0 + BLOCK_K < k_hi, offs_m, offs_n,
