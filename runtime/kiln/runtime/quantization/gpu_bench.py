@@ -260,7 +260,9 @@ def _quantize_dummy(model, method: str, group_size: int = 128) -> None:
     torch.cuda.empty_cache()
 
 
-def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128) -> list[dict]:
+def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: int = 1) -> list[dict]:
+    """Greedy decode of ``batch`` 32-token prompts (``new_tokens`` each) per weight method:
+    output tokens/s and ms per step (one token per sequence)."""
     from ..llm import LLM
     from ..model_runner import ModelRunner
     from ..sampling_params import SamplingParams
@@ -285,19 +287,20 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128) -> list
         w4a16.SMALL_M_KERNEL = method.split("-")[1] if method.startswith("int4-") else ""
         try:
             t0 = time.perf_counter()
-            llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=8, num_kv_blocks=512,
+            llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=max(8, batch), num_kv_blocks=512,
                       max_model_len=1024)
             load_s = time.perf_counter() - t0
             sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-            prompt = [list(range(1000, 1032))]
+            prompt = [list(range(1000 + 40 * i, 1032 + 40 * i)) for i in range(batch)]
             llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = llm.generate(prompt, sp)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-            n = len(out[0].outputs[0].token_ids)
-            rows.append({"method": method, "batch": 1, "new_tokens": n, "tok_s": n / wall, "ms_per_token": wall / n * 1e3,
+            n = sum(len(o.outputs[0].token_ids) for o in out)
+            rows.append({"method": method, "batch": batch, "new_tokens": n, "tok_s": n / wall,
+                         "ms_per_token": wall / (n / batch) * 1e3,
                          "load_s": load_s, "weights_GiB": torch.cuda.memory_allocated() / 2**30})
             print(json.dumps(rows[-1]), flush=True)
             del llm
