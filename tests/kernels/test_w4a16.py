@@ -263,3 +263,19 @@ def test_swap_kernel_refuses_what_it_cannot_do():
         w4a16_gemm(torch.randn(2, 256, device=DEVICE).half(), qw, s, z, config=cfg)
     with pytest.raises(ValueError, match="float16/bfloat16"):
         w4a16_gemm(torch.randn(2, 256, device=DEVICE), qw, s, z, config=dict(cfg, BLOCK_K=64))
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemv2", "mma", "swap"])
+def test_k_major_packed_words(kernel):
+    """Every kernel reads the packed words through their strides: a K-major copy (``qweight`` a
+    [K/8, N] view of an [N, K/8] tensor) gives the same result as the N-major original."""
+    M, N, K, G = 3, 48, 256, 64
+    qw, s, z = make_weight(N, K, G, seed=11)
+    qk = qw.t().contiguous().t()
+    assert qk.stride() == (1, K // 8) and torch.equal(qk, qw)
+    x = torch.randn(M, K, device=DEVICE).half()
+    bm = {"gemv": 4, "gemv2": 4, "mma": 16, "swap": 8}[kernel]
+    cfg = {"KERNEL": kernel, "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_K": 64 if kernel == "swap" else 128,
+           "SPLIT_K": 2, "num_warps": 1, "num_stages": 1, "CHAIN": 8, "PREFETCH": 1}
+    assert torch.equal(w4a16_gemm(x, qk, s, z, config=cfg), w4a16_gemm(x, qw, s, z, config=cfg))
+    assert rel_err(w4a16_gemm(x, qk, s, z, config=cfg), w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.float16]

@@ -73,7 +73,7 @@ def _w4a16_space(M: int) -> list[dict]:
     if M >= 4:
         for bn, w in ((64, 4), (128, 4), (128, 8)):
             out.append({"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 2})
-    out += [dict(c, BLOCK_M=8 if M <= 8 else 16) for c in SWAP_SPACE]
+    out += [dict(c, BLOCK_M=bm) for c in SWAP_SPACE for bm in ((8,) if M <= 8 else (8, 16))]
     return out
 
 
@@ -82,9 +82,11 @@ def _warm(jobs) -> int:
     from kiln.kernels.w4a16 import w4a16_gemm
 
     ok = 0
-    for N, K, M, cfg in jobs:
+    for N, K, M, cfg, *kmajor in jobs:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         qw = torch.zeros(K // 8, N, dtype=torch.int32, device="cuda")
+        if kmajor and kmajor[0]:
+            qw = qw.t().contiguous().t()
         sc = torch.ones(K // 128, N, dtype=torch.float16, device="cuda")
         z = torch.zeros(K // 128, N, dtype=torch.uint8, device="cuda")
         try:
@@ -96,18 +98,22 @@ def _warm(jobs) -> int:
     return ok
 
 
-def _weight_copies(N: int, K: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+def _weight_copies(N: int, K: int, kmajor: bool = False) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """bf16 weights [N, K] and their int4 packing (group 128), each copied often enough to fill
-    >= 512 MB, so that calls rotating over the copies are not served from L2."""
+    >= 512 MB, so that calls rotating over the copies are not served from L2.  ``kmajor``: the
+    packed words stored K-major (``qweight`` a [K/8, N] view of an [N, K/8] tensor)."""
     from . import int4
 
     w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, (512 << 20) // (N * K * 2)))]
     s, z = int4.quantize_params(w[0].float(), 128)
     packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
-    return w, [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+    if kmajor:
+        packed = dict(packed, qweight=packed["qweight"].t().contiguous().t())
+    return w, [{k: (v.t().clone().t() if kmajor and k == "qweight" else v.clone()) for k, v in packed.items()}
+               for _ in range(max(2, (512 << 20) // (N * K // 2)))]
 
 
-def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -> list[dict]:
+def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, kmajor: bool = False) -> list[dict]:
     """Sweep the launch configs per shape and M bucket (filling ``TUNED``), check the winner
     against the reference, then time it against bf16 cuBLAS."""
     import multiprocessing as mp
@@ -115,14 +121,14 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12) -
     from kiln.kernels.w4a16 import TUNED, w4a16_gemm, w4a16_ref
 
     # the compiled variant depends on M's bucket, the config and split == 1 or not, not on the shape
-    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp)) for M in ms for cfg in _w4a16_space(M) for sp in (1, 2)]
+    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp), kmajor) for M in ms for cfg in _w4a16_space(M) for sp in (1, 2)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(procs) as pool:
         pool.map(_warm, [jobs[i::procs] for i in range(procs)])
     print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
     rows = []
     for name, (N, K) in SHAPES.items():
-        w, q = _weight_copies(N, K)
+        w, q = _weight_copies(N, K, kmajor)
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             best = None
