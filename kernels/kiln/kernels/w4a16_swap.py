@@ -46,23 +46,9 @@ import triton.language as tl
 
 from .w4a16 import _finish
 
-# (code pair t, x dtype) -> one PTX op per packed word pair: shift by 4 t, then AND + OR
-_BF16_0 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;")
-_BF16_1 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
-_BF16_2 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
-_BF16_3 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
-_F16_0 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;")
-_F16_1 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }")
-_F16_2 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }")
-_F16_3 = tl.constexpr("{ .reg .b32 t; shr.u32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }")
-
-
-@triton.jit
-def _pair_asm(pp, asm: tl.constexpr, X_F16: tl.constexpr):
-    if X_F16:
-        return tl.inline_asm_elementwise(asm, "=r,r,r", [pp], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        return tl.inline_asm_elementwise(asm, "=r,r,r", [pp], dtype=tl.bfloat16, is_pure=True, pack=2)
+# one LOP3 per packed word (already shifted right by 4 t): AND 0x000F000F, OR the offset's bits
+_LOP3_BF16 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;")  # 128 + q (bfloat16)
+_LOP3_F16 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;")  # 1024 + q (float16)
 
 
 @triton.jit
@@ -70,29 +56,16 @@ def _code_pairs(p, T: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, X_F1
                 ASM: tl.constexpr):
     """``[BLOCK_N, 2 R]`` in x's dtype: element ``(n, 2 r + j)`` = OFFSET + nibble ``T + 4 j`` of
     the packed word ``p[n, r]`` (exact; OFFSET 128 for bfloat16, 1024 for float16)."""
+    if T > 0:
+        p = p >> (4 * T)  # (arithmetic: the sign bits land above bit 19, outside the mask)
     pp = tl.join(p, p).reshape(BLOCK_N, 2 * R)  # both elements of a pair read the same word
-    if ASM:
+    if ASM:  # pack=2: one 32-bit result register holds the pair (element 2 r in its low half)
         if X_F16:
-            if T == 0:
-                w = _pair_asm(pp, _F16_0, True)
-            elif T == 1:
-                w = _pair_asm(pp, _F16_1, True)
-            elif T == 2:
-                w = _pair_asm(pp, _F16_2, True)
-            else:
-                w = _pair_asm(pp, _F16_3, True)
+            w = tl.inline_asm_elementwise(_LOP3_F16, "=r,r,r", [pp], dtype=tl.float16, is_pure=True, pack=2)
         else:
-            if T == 0:
-                w = _pair_asm(pp, _BF16_0, False)
-            elif T == 1:
-                w = _pair_asm(pp, _BF16_1, False)
-            elif T == 2:
-                w = _pair_asm(pp, _BF16_2, False)
-            else:
-                w = _pair_asm(pp, _BF16_3, False)
+            w = tl.inline_asm_elementwise(_LOP3_BF16, "=r,r,r", [pp], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
-        shift = 4 * T + 16 * (tl.arange(0, 2 * R) % 2)
-        q = (pp >> shift[None, :]) & 0xF
+        q = (pp >> (16 * (tl.arange(0, 2 * R) % 2))[None, :]) & 0xF
         if X_F16:
             w = (q + 1024).to(tl.float32).to(tl.float16)
         else:
