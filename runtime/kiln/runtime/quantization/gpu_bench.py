@@ -1,6 +1,6 @@
 """GPU measurements of the quantized paths (H200, Llama-3.1-8B shapes, random weights).
 
-``python -m kiln.runtime.quantization.gpu_bench [--skip-decode] --json OUT``
+``python -m kiln.runtime.quantization.gpu_bench [--skip-decode] [--decode-batch B] --json OUT``
 ``python -m kiln.runtime.quantization.gpu_bench --only w4a16-variants [--decode-methods
 bf16,int4,int4-gemv2 --only w4a16-variants,decode] --json OUT``
 
@@ -325,7 +325,12 @@ def main() -> None:
                    help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), fp8, decode")
     p.add_argument("--decode-methods", default="bf16,int4,fp8", help="bf16, int4, int4-gemv, int4-gemv2, fp8")
     p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
+    p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together in the decode part")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_bench measures GPU kernels and needs a CUDA device (none is visible)")
+    if a.decode_batch < 1:
+        raise SystemExit(f"--decode-batch must be >= 1, got {a.decode_batch}")
     only = set(a.only.split(","))
     if a.w4a16_variants:
         only.add("w4a16-variants")
@@ -337,7 +342,7 @@ def main() -> None:
     if "fp8" in only:
         res["fp8"] = bench_fp8()
     if "decode" in only and not a.skip_decode:
-        res["decode"] = bench_decode(tuple(a.decode_methods.split(",")))
+        res["decode"] = bench_decode(tuple(a.decode_methods.split(",")), batch=a.decode_batch)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
