@@ -132,6 +132,8 @@ def test_gemv2_strided_x_and_choice():
     assert choose_config(1, N, K, 16, dev, torch.float16)["KERNEL"] == "gemv"
     assert choose_config(4, N, K, G, dev, torch.float16, kernel="gemv2")["BLOCK_M"] == 4
     assert choose_config(2, N, K, G, dev, torch.float16, kernel="gemv")["KERNEL"] == "gemv"
+    with pytest.raises(ValueError, match="gemv or gemv2"):
+        choose_config(2, N, K, G, dev, torch.float16, kernel="gemm")
     with pytest.raises(ValueError, match="gemv2"):
         w4a16_gemm(x, *make_weight(N, K, 16, seed=3), config=cfg)
 
@@ -263,6 +265,8 @@ def test_swap_kernel_refuses_what_it_cannot_do():
         w4a16_gemm(torch.randn(2, 256, device=DEVICE).half(), qw, s, z, config=cfg)
     with pytest.raises(ValueError, match="float16/bfloat16"):
         w4a16_gemm(torch.randn(2, 256, device=DEVICE), qw, s, z, config=dict(cfg, BLOCK_K=64))
+    with pytest.raises(ValueError, match="KERNEL must be"):  # a misspelt kernel is not run as another one
+        w4a16_gemm(torch.randn(2, 256, device=DEVICE).half(), qw, s, z, config=dict(cfg, KERNEL="swapp"))
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gemv2", "mma", "swap"])

@@ -639,6 +639,9 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     M <= 4: ``TUNED``'s entry if it is that kernel, else that kernel's default.  ``gemv2``
     falls back to ``gemv`` where it does not apply (float32 x, G % 32 != 0).
     """
+    if kernel not in (None, "", "gemv", "gemv2"):
+        raise ValueError(f"the forced small-M kernel (KILN_W4A16_SMALL_M) must be gemv or gemv2, got {kernel!r}")
+    kernel = kernel or None
     gemv2_ok = dtype in (torch.float16, torch.bfloat16) and group_size % 32 == 0 and M <= 4
     if kernel == "gemv2" and not gemv2_ok:
         kernel = "gemv"
@@ -714,6 +717,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     if G % 8:
         raise ValueError(f"group size {G} must be a multiple of 8")
     cfg = dict(config or choose_config(M, N, K, G, x.device, x.dtype, SMALL_M_KERNEL or None))
+    if cfg.get("KERNEL") not in ("gemv", "gemv2", "mma", "swap"):
+        raise ValueError(f"config KERNEL must be gemv, gemv2, mma or swap, got {cfg.get('KERNEL')!r}")
     bk = cfg["BLOCK_K"]
     if bk % KBLOCK or (cfg["KERNEL"] == "mma" and bk < 128):
         raise ValueError(f"BLOCK_K {bk} must be a multiple of {KBLOCK} (and >= 128 for the mma kernel)")
