@@ -54,8 +54,8 @@ Four kernels:
 * ``w4a16_swap._swap_kernel`` (M <= 16, float16/bfloat16 x, ``G % BLOCK_K == 0``; ``KERNEL:
   "swap"``): the weight as the A operand of the tensor cores, two codes per LOP3 (that
   module's docstring).  H200 (Llama-3.1-8B projections): the fastest kernel at M = 4..16,
-  1.3-1.4x ``_mma_kernel`` and 1.1-1.4x ``gemv2`` at M = 4; exact to ~1e-4 (the packed-half
-  GEMVs: ~1.7e-3).
+  1.4-1.5x ``_mma_kernel`` at M = 8 and 1.1-1.25x ``gemv2`` at M = 4; exact to ~1e-4 (the
+  packed-half GEMVs: ~1.7e-3).
 
 All split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
 SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs, where each
