@@ -232,6 +232,11 @@ def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
             t_bf16 = do_bench(lambda: x @ w.t(), warmup=10, rep=50)
             t_mm = do_bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
                             warmup=10, rep=50)
+            t_fast = do_bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
+                                                       use_fast_accum=True), warmup=10, rep=50)
+            ref = (xq.float() * xs) @ (wq.float() * ws.view(-1, 1)).t()
+            err = {f: float((torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
+                                              use_fast_accum=f).float() - ref).norm() / ref.norm()) for f in (False, True)}
 
             from kiln.kernels.fp8_quant import per_token_quant_fp8
 
@@ -243,7 +248,9 @@ def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
             fl = 2 * M * N * K
             rows.append({"shape": name, "M": M, "N": N, "K": K, "bf16_TFLOPs": fl / t_bf16 / 1e9,
                          "fp8_mm_TFLOPs": fl / t_mm / 1e9, "fp8_with_act_quant_TFLOPs": fl / t_full / 1e9,
-                         "speedup_mm": t_bf16 / t_mm, "speedup_with_act_quant": t_bf16 / t_full})
+                         "speedup_mm": t_bf16 / t_mm, "speedup_with_act_quant": t_bf16 / t_full,
+                         "fp8_fast_accum_TFLOPs": fl / t_fast / 1e9, "speedup_fast_accum": t_bf16 / t_fast,
+                         "rel_err": err[False], "rel_err_fast_accum": err[True]})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
