@@ -3,6 +3,7 @@ CUDA, the torch gather + SDPA path on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -58,7 +59,29 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
         return k.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                  scale, k_scale, v_scale, max_query_len=meta.max_query_len,
                                  max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None)
-    if k_scale is not None:  # fp8 cache on CPU: dequantize the gathered values
-        k_cache = k_cache.to(q.dtype) * k_scale
-        v_cache = v_cache.to(q.dtype) * v_scale
+    if k_scale is not None:  # fp8 cache on CPU: dequantize only the blocks this batch reads
+        k_cache, v_cache, meta = _dequantize_used_blocks(k_cache, v_cache, meta, q.dtype, k_scale, v_scale)
     return torch_backend.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _dequantize_used_blocks(k_cache, v_cache, meta: AttentionMetadata, dtype: torch.dtype, k_scale, v_scale):
+    """The blocks of an fp8 cache ``[num_blocks, block_size, Hkv, D]`` that the batch's block
+    tables cover (``ceil(seq_len / block_size)`` per sequence), dequantized to ``dtype`` into a
+    compact cache, and the metadata with block tables renumbered into it.  Work and memory
+    scale with the batch's context, not with the pool (converting the whole pool every layer
+    made an fp8-KV server on the CPU stall as soon as the pool was large)."""
+    bs = k_cache.shape[1]
+    dev = k_cache.device
+    nblk = torch.tensor([(n + bs - 1) // bs for n in meta.seq_lens_list], device=dev)
+    width = max(1, int(nblk.max()) if len(nblk) else 1)
+    bt = meta.block_tables[:, :width].to(torch.int64)
+    cover = torch.arange(bt.shape[1], device=dev).unsqueeze(0) < nblk.unsqueeze(1)
+    used = torch.unique(bt[cover])
+    if used.numel() == 0:
+        used = torch.zeros(1, dtype=torch.int64, device=dev)
+    remap = torch.zeros(k_cache.shape[0], dtype=torch.int64, device=dev)
+    remap[used] = torch.arange(used.numel(), device=dev)
+    tables = torch.where(cover, remap[bt.clamp(0, k_cache.shape[0] - 1)], 0).to(meta.block_tables.dtype)
+    k = k_cache.index_select(0, used).to(dtype) * k_scale
+    v = v_cache.index_select(0, used).to(dtype) * v_scale
+    return k, v, dataclasses.replace(meta, block_tables=tables)
