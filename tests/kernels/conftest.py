@@ -22,7 +22,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels_interp_compat import apply as _apply_interp_fix  # noqa: E402
+    from kiln.kernels.interp_compat import apply as _apply_interp_fix  # noqa: E402
 
     _apply_interp_fix()
 

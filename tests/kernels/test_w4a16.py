@@ -283,3 +283,29 @@ def test_k_major_packed_words(kernel):
            "SPLIT_K": 2, "num_warps": 1, "num_stages": 1, "CHAIN": 8, "PREFETCH": 1}
     assert torch.equal(w4a16_gemm(x, qk, s, z, config=cfg), w4a16_gemm(x, qw, s, z, config=cfg))
     assert rel_err(w4a16_gemm(x, qk, s, z, config=cfg), w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.float16]
+
+
+def test_bad_configs_and_operands():
+    """Launch configs and operands that do not fit get a ValueError, not a ZeroDivisionError,
+    KeyError, interpreter error or a silently wrong result."""
+    qw, s, z = make_weight(32, 256, 64)
+    x = torch.randn(2, 256, device=DEVICE).half()
+    cfg = {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 1,
+           "num_stages": 1}
+    for key, value in [("BLOCK_K", 0), ("BLOCK_N", 0), ("BLOCK_M", 0), ("BLOCK_N", 24), ("BLOCK_K", -64),
+                       ("SPLIT_K", 0), ("SPLIT_K", -3), ("num_stages", 0), ("num_warps", 3), ("BLOCK_N", 16.0)]:
+        with pytest.raises(ValueError, match=key):
+            w4a16_gemm(x, qw, s, z, config=dict(cfg, **{key: value}))
+    with pytest.raises(ValueError, match="lacks num_stages"):
+        w4a16_gemm(x, qw, s, z, config={k: v for k, v in cfg.items() if k != "num_stages"})
+    with pytest.raises(ValueError, match="must be a dict"):
+        w4a16_gemm(x, qw, s, z, config=[cfg])
+    with pytest.raises(ValueError, match="scales must be"):
+        w4a16_gemm(x, qw, s.to(torch.int32), z)
+    with pytest.raises(ValueError, match="qzeros uint8"):
+        w4a16_gemm(x, qw, s, z.to(torch.int32))
+    with pytest.raises(ValueError, match="2-D"):
+        w4a16_gemm(x, qw, s[0], z)
+    with pytest.raises(ValueError, match="empty weight"):
+        w4a16_gemm(torch.zeros(2, 0, device=DEVICE).half(), torch.zeros(0, 32, dtype=torch.int32, device=DEVICE),
+                   torch.zeros(0, 32, device=DEVICE).half(), torch.zeros(0, 32, dtype=torch.uint8, device=DEVICE))

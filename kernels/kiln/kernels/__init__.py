@@ -18,7 +18,14 @@ kernel                      module                         reference
 this package needs no GPU.  It never imports ``kiln.runtime``.
 """
 
-from kiln.kernels.reference import (  # noqa: F401
+import os as _os
+
+if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # NumPy >= 2.4 vs Triton 3.6's interpreter
+    from kiln.kernels.interp_compat import apply as _apply_interp_fix
+
+    _apply_interp_fix()
+
+from kiln.kernels.reference import (  # noqa: F401,E402
     FP8_E4M3_MAX,
     build_cos_sin_cache,
     fused_add_rms_norm_ref,

@@ -691,6 +691,23 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
             "num_stages": 3}
 
 
+def _check_config(cfg: dict) -> None:
+    """ValueError unless ``cfg`` names a kernel and has the launch keys it needs: power-of-two
+    tile sizes, ``SPLIT_K`` / ``num_stages`` >= 1, 1-16 warps."""
+    if cfg.get("KERNEL") not in ("gemv", "gemv2", "mma", "swap"):
+        raise ValueError(f"config KERNEL must be gemv, gemv2, mma or swap, got {cfg.get('KERNEL')!r}")
+    need = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"]
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise ValueError(f"config for the {cfg['KERNEL']} kernel lacks {', '.join(missing)}")
+    bad = [k for k in need if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1]
+    bad += [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
+            if k not in bad and (cfg[k] & (cfg[k] - 1) or (k == "num_warps" and cfg[k] > 16))]
+    if bad:
+        raise ValueError("config " + ", ".join(f"{k}={cfg[k]!r}" for k in bad) + ": tile sizes and num_warps must "
+                         "be powers of two (num_warps <= 16), SPLIT_K and num_stages integers >= 1")
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
                config: dict | None = None) -> torch.Tensor:
     """``x`` [M, K] (float16/bfloat16/float32) times the int4 weight -> [M, N] in ``x.dtype``.
@@ -704,8 +721,16 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if qweight.dim() != 2 or scales.dim() != 2 or qzeros.dim() != 2:
+        raise ValueError(f"qweight, scales and qzeros must be 2-D, got {tuple(qweight.shape)}, "
+                         f"{tuple(scales.shape)}, {tuple(qzeros.shape)}")
     M, K = x.shape
     K8, N = qweight.shape
+    if K == 0 or N == 0:
+        raise ValueError(f"empty weight: K={K}, N={N}")
+    if not scales.dtype.is_floating_point or scales.dtype.itemsize > 4 or qzeros.dtype != torch.uint8:
+        raise ValueError(f"scales must be float16/bfloat16/float32 and qzeros uint8, got {scales.dtype} / "
+                         f"{qzeros.dtype}")
     if qweight.dtype != torch.int32 or K8 * 8 != K or K % KBLOCK:
         raise ValueError(f"qweight must be int32 [K/8={K // 8}, N] with K % {KBLOCK} == 0, "
                          f"got {qweight.dtype} {tuple(qweight.shape)} for K={K}")
@@ -716,9 +741,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     G = K // scales.shape[0]
     if G % 8:
         raise ValueError(f"group size {G} must be a multiple of 8")
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
     cfg = dict(config or choose_config(M, N, K, G, x.device, x.dtype, SMALL_M_KERNEL or None))
-    if cfg.get("KERNEL") not in ("gemv", "gemv2", "mma", "swap"):
-        raise ValueError(f"config KERNEL must be gemv, gemv2, mma or swap, got {cfg.get('KERNEL')!r}")
+    _check_config(cfg)
     bk = cfg["BLOCK_K"]
     if bk % KBLOCK or (cfg["KERNEL"] == "mma" and bk < 128):
         raise ValueError(f"BLOCK_K {bk} must be a multiple of {KBLOCK} (and >= 128 for the mma kernel)")

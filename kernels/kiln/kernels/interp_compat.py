@@ -1,4 +1,7 @@
-"""Make Triton 3.6's CPU interpreter work with NumPy >= 2.4 (tests only).
+"""Make Triton 3.6's CPU interpreter work with NumPy >= 2.4.
+
+Applied by ``import kiln.kernels`` when ``TRITON_INTERPRET=1`` is set (the CPU kernel
+tests, and any user running the kernels on the CPU under the interpreter).
 
 NumPy 2.4 raises TypeError on ``int(array_of_shape_1)``; Triton 3.6's interpreter does that
 when a loaded scalar is used as a loop bound (``range(lo, hi)``).  Upstream fix:
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 
 def apply() -> None:
+    """Patch the interpreter once (idempotent)."""
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
