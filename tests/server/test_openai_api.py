@@ -147,6 +147,7 @@ def test_chat_message_without_content_gets_400(server, message, needle):
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"min_tokens": 9, "max_completion_tokens": 3}, "max_completion_tokens (3)"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs must be between 0 and 20"),
 ])
 def test_chat_features_not_served_get_400(server, extra, needle):
     r = httpx.post(f"{server.v1}/chat/completions",

@@ -10,7 +10,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -165,6 +165,8 @@ class ChatCompletionRequest(_SamplingFields):
         lp = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
         return self._sampling(mt, lp, default_max_tokens)
 
     def conversation(self) -> list[dict[str, str]]:
