@@ -76,3 +76,14 @@ def test_eval_window_above_the_context_is_refused(tmp_path, monkeypatch, capsys)
     text.write_text("Some text. " * 20)
     assert eval_mod.main(["perplexity", "--model", "builtin:x", "--text", str(text), "--window", "65"]) == 2
     assert "--window 65 is longer than the model's context of 64 tokens" in capsys.readouterr().err
+
+
+def test_eval_window_past_4096_and_the_context_names_the_window(tiny_model, tmp_path, capsys):
+    """A window past 4096 becomes the engine's max_model_len; past the model's context the
+    error names --window, not max_model_len alone (real tiny model, no stub)."""
+    from kiln.runtime import eval as eval_mod
+
+    text = tmp_path / "t.txt"
+    text.write_text("Some text. " * 20)
+    assert eval_mod.main(["perplexity", "--model", str(tiny_model), "--text", str(text), "--window", "100000"]) == 2
+    assert "--window 100000 is longer than the model's context" in capsys.readouterr().err

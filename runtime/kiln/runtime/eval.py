@@ -112,7 +112,12 @@ def perplexity(model: str | None = None, engine: str | None = None, text: str | 
         raise ValueError(f"--window must be at least 2 tokens, got {window}")
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
-    eng = open_model(model, engine, device, dtype, window)
+    try:
+        eng = open_model(model, engine, device, dtype, window)
+    except ValueError as e:
+        if window > 4096 and "max_model_len" in str(e):  # the window became the engine's max_model_len
+            raise ValueError(f"--window {window} is longer than the model's context: {e}") from e
+        raise
     if window > eng.max_model_len:  # positions past the context the engine serves
         raise ValueError(f"--window {window} is longer than the model's context of {eng.max_model_len} tokens "
                          f"(max_model_len); use --window {eng.max_model_len} or less")
