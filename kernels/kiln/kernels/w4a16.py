@@ -717,7 +717,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         qweight: int32 [K // 8, N]; scales: float [K // G, N]; qzeros: uint8 [K // G, N].
         config: override ``choose_config``'s launch choice (benchmarks, tests).
     Raises:
-        ValueError: shapes or dtypes that do not fit the format.
+        ValueError: shapes or dtypes that do not fit the format, or a ``config`` that names no
+            kernel, lacks launch keys or has tiles that are not powers of two.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
