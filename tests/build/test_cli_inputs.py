@@ -87,3 +87,20 @@ def test_eval_window_past_4096_and_the_context_names_the_window(tiny_model, tmp_
     text.write_text("Some text. " * 20)
     assert eval_mod.main(["perplexity", "--model", str(tiny_model), "--text", str(text), "--window", "100000"]) == 2
     assert "--window 100000 is longer than the model's context" in capsys.readouterr().err
+
+
+def test_eval_bad_text_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """An empty or binary --text is refused before any model is opened (loading takes seconds)."""
+    from kiln.runtime import eval as eval_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was opened before the text was checked")
+
+    monkeypatch.setattr(eval_mod, "open_model", no_load)
+    empty = tmp_path / "e.txt"
+    empty.write_text("  \n")
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\x00\xff\xfe")
+    for f, needle in ((empty, "the text is empty"), (binary, "not UTF-8 text")):
+        assert eval_mod.main(["perplexity", "--model", "builtin:x", "--text", str(f)]) == 2
+        assert needle in capsys.readouterr().err

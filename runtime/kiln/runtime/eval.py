@@ -112,6 +112,9 @@ def perplexity(model: str | None = None, engine: str | None = None, text: str | 
         raise ValueError(f"--window must be at least 2 tokens, got {window}")
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
+    body = read_text(text) if text is None or Path(text).exists() else text  # bad text fails before loading
+    if not body.strip():
+        raise ValueError("the text is empty: nothing to score (need at least 2 tokens)")
     try:
         eng = open_model(model, engine, device, dtype, window)
     except ValueError as e:
@@ -121,8 +124,7 @@ def perplexity(model: str | None = None, engine: str | None = None, text: str | 
     if window > eng.max_model_len:  # positions past the context the engine serves
         raise ValueError(f"--window {window} is longer than the model's context of {eng.max_model_len} tokens "
                          f"(max_model_len); use --window {eng.max_model_len} or less")
-    ids = list(eng.tokenizer(read_text(text) if text is None or Path(text).exists() else text,
-                             add_special_tokens=False)["input_ids"])
+    ids = list(eng.tokenizer(body, add_special_tokens=False)["input_ids"])
     if max_tokens:
         ids = ids[:max_tokens]
     res = score_windows(eng, ids, window)[0]
