@@ -17,7 +17,7 @@ bits of its two 16-bit halves; OR-ing ``0x4300`` (bfloat16 128.0) or ``0x6400`` 
 OFFSET + q_{t+4})`` as one packed register: the pair of consecutive K elements that a
 tensor-core A fragment register holds.  So the dot's K order is a permutation of the true K
 columns (element ``2 r + j`` of pair set ``t`` is column ``64 (r // 8) + 8 (t + 4 j) + r % 8``)
-and x is gathered in the same order.  Per group and column the offset and zero point come off
+and x's B operands are cut from its step tile in the same order.  Per group and column the offset and zero point come off
 the float32 dot result: ``sum_k (q - z) s x = s (sum (OFFSET + q) x - (OFFSET + z) sum x)``
 (``GROUP_SIZE % BLOCK_K == 0``: one group per step).  Offline sm_90 SASS of the loop
 (BLOCK_N 128, BLOCK_K 128, M 16, 4 warps): ~0.13 warp instructions per weight, against ~0.20
@@ -29,7 +29,7 @@ on the critical path); with ``PREFETCH`` the x tile, scales and zero points of t
 are loaded while the current one is computed (Triton's pipeliner only stages the weights).
 H200, Llama-3.1-8B projections (docs/benchmarks.md, session 6): gather -> tile + prefetch took
 gate_up at M = 8 from 47.0 to 39.2 us and down from 29.7 to 22.5 us; the kernel is the fastest
-at M = 4..16 (1.16-1.72x bf16 cuBLAS), the packed-half GEMV (``gemv2``) at M = 1, 2.  Its time
+at M = 4..16 (1.13-1.72x bf16 cuBLAS), the packed-half GEMV (``gemv2``) at M = 1, 2.  Its time
 hardly depends on M (gate_up 38-41 us for M = 1..16, ~1.5 TB/s): neither issue (~12 us of
 instructions) nor DRAM bandwidth (~15 us) bounds it; the weights still go to shared memory as
 4-byte ``cp.async`` copies (the shared layout Triton picks is K-major).  Stored K-major, the
