@@ -14,12 +14,14 @@ import triton.language as tl
 
 from kiln.kernels import tuning
 from kiln.kernels.launch import check, check_last_dim_contiguous, interpreting
+from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["silu_and_mul"]
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -56,6 +58,6 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     grid = (T, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, num_warps=1 if interpreting() else tuning.ELEMENTWISE["num_warps"],
+        BLOCK=block, num_warps=1 if interpreting() else tuning.ELEMENTWISE["num_warps"], **launch_kwargs(x.device),
     )
     return out

@@ -61,6 +61,7 @@ from kiln.kernels.launch import (
     next_power_of_2,
     scale_args,
 )
+from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["paged_attention"]
 
@@ -126,7 +127,9 @@ def _paged_attn_kernel(
     F16_DOT: tl.constexpr,  # fp8 cache: run both products in float16 (one cvt from e4m3)
     WORDS: tl.constexpr = 0,  # fp8 + F16_DOT: bit 0 reads K, bit 1 V as int32 words (see _e4m3_words_to_f16)
     CVT_PTX: tl.constexpr = 0,  # WORDS conversion through PTX (GPU) instead of integer arithmetic
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -270,8 +273,10 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_ot, stride_oh, stride_pt, stride_ph, head_dim,
     NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, PART_STRIDE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t, h] = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i  (flash-decoding reduce)."""
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     sp = tl.arange(0, SPLITS_P2)
@@ -445,12 +450,13 @@ def paged_attention(
             WORDS=words, CVT_PTX=bool(words) and q.is_cuda and not interpreting(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
+            **launch_kwargs(q.device),
         )
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](
             out, part_acc, part_m, part_l,
             out.stride(0), out.stride(1), Hq * splits, splits, D,
             NUM_SPLITS=splits, SPLITS_P2=next_power_of_2(splits), BLOCK_D=BLOCK_D, PART_STRIDE=part_stride,
-            num_warps=1 if BLOCK_D * splits <= 1024 else 4,
+            num_warps=1 if BLOCK_D * splits <= 1024 else 4, **launch_kwargs(q.device),
         )
     return out

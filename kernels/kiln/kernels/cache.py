@@ -22,6 +22,7 @@ from kiln.kernels.launch import (
     row_warps,
     scale_args,
 )
+from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["reshape_and_cache"]
 
@@ -79,8 +80,9 @@ def _reshape_and_cache_kernel(
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     num_heads, head_dim, block_size,
     SCALE_MODE_K: tl.constexpr, SCALE_MODE_V: tl.constexpr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -143,5 +145,5 @@ def reshape_and_cache(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H, D, k_cache.shape[1],
         SCALE_MODE_K=ks[3], SCALE_MODE_V=vs[3], FP8=fp8, ROUND_FP8=fp8 and interpreting(),
-        BLOCK_H=next_power_of_2(H), BLOCK_D=next_power_of_2(D), num_warps=row_warps(H * D),
+        BLOCK_H=next_power_of_2(H), BLOCK_D=next_power_of_2(D), num_warps=row_warps(H * D), **launch_kwargs(key.device),
     )

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kwargs, pdl_start
+
 __all__ = ["decode_layout", "paged_decode_cuda_core"]
 
 
@@ -120,7 +122,9 @@ def _decode_cuda_core_kernel(
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PART_STRIDE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0 none, 1 next tile's block-table entries, 2 also its K/V (registers)
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     s_id = tl.program_id(0)  # sequence; its one query row is cu[s_id]
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -267,5 +271,5 @@ def paged_decode_cuda_core(
         HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, G_P2=triton.next_power_of_2(G),
         R=R, W=W, T=T, BLOCK_D=block_d, NUM_SPLITS=splits, PART_STRIDE=part_stride,
         K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], PREFETCH=int(cfg.get("prefetch", 1)),
-        num_warps=W, num_stages=cfg.get("num_stages", 2), **extra,
+        num_warps=W, num_stages=cfg.get("num_stages", 2), **extra, **launch_kwargs(q.device),
     )

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kwargs, pdl_start
+
 __all__ = ["gemv", "gemv_ref", "choose_config", "use_gemv", "m_bucket", "TUNED", "MAX_M"]
 
 MAX_M = 8  # largest M the kernel is meant for (larger M: a tensor-core GEMM)
@@ -47,8 +49,9 @@ def _gemv_kernel(
     M, N, K, K_PER_SPLIT, SPLIT_K,
     stride_xm, stride_wn, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -202,6 +205,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
         x, weight, out, part, cnt, M, N, K, k_per_split, split, x.stride(0), weight.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, EVEN_K=K % bk == 0, HAS_SPLIT=split > 1,
-        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], **launch_kwargs(x.device),
     )
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import check, check_last_dim_contiguous, next_power_of_2, row_warps
+from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["rms_norm", "fused_add_rms_norm"]
 
@@ -26,8 +27,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -80,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[to
         x, x, weight, out, out,
         x.stride(0), 0, out.stride(0), 0,
         H, float(eps),
-        HAS_RESIDUAL=False, BLOCK=next_power_of_2(H), num_warps=row_warps(H),
+        HAS_RESIDUAL=False, BLOCK=next_power_of_2(H), num_warps=row_warps(H), **launch_kwargs(x.device),
     )
     return out
 
@@ -117,6 +119,6 @@ def fused_add_rms_norm(
         x, residual, weight, out, res_out,
         x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
         H, float(eps),
-        HAS_RESIDUAL=True, BLOCK=next_power_of_2(H), num_warps=row_warps(H),
+        HAS_RESIDUAL=True, BLOCK=next_power_of_2(H), num_warps=row_warps(H), **launch_kwargs(x.device),
     )
     return out, res_out

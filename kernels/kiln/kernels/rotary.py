@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import check, check_last_dim_contiguous, next_power_of_2, row_warps
+from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["rotary_embedding"]
 
@@ -37,8 +38,9 @@ def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     num_q_heads, num_k_heads, half,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -87,6 +89,6 @@ def rotary_embedding(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         Hq, k.shape[1], half,
         BLOCK_HQ=next_power_of_2(Hq), BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(half),
-        num_warps=row_warps(Hq * half),
+        num_warps=row_warps(Hq * half), **launch_kwargs(q.device),
     )
     return q, k

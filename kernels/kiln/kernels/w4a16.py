@@ -76,6 +76,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kwargs, pdl_start
+
 __all__ = ["w4a16_gemm", "w4a16_ref", "dequantize_ref", "choose_config", "m_bucket", "TUNED", "KBLOCK"]
 
 KBLOCK = 64  # K columns per interleave block of the packed format
@@ -152,8 +154,9 @@ def _gemv_kernel(
     M, N, K, K_PER_SPLIT, SPLIT_K,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, ASM: tl.constexpr,
+    HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -409,8 +412,9 @@ def _gemv2_kernel(
     stride_xm, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHAIN: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, X_BF16: tl.constexpr,
-    ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr,
+    ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     # xw_ptr: x as int64 words [M, K / 4] (four float16/bfloat16 each), row stride stride_xm words.
     # A step is RB = BLOCK_K / 64 blocks of 64 K columns x BLOCK_N columns of W; tile element
     # (rb, n) walks the block's 8 packed rows, so each thread keeps one block row and reuses its
@@ -504,8 +508,9 @@ def _mma_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -773,7 +778,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                             CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=split > 1, NUM_STAGES=cfg["num_stages"],
                             X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
                             EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
-                            num_warps=cfg["num_warps"])
+                            num_warps=cfg["num_warps"], **launch_kwargs(x.device))
         return out
     args = (x, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split, split,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
@@ -786,8 +791,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         _swap_kernel[grid](*args, **meta, X_F16=x.dtype == torch.float16, EVEN_N=N % cfg["BLOCK_N"] == 0,
                            PREFETCH=cfg.get("PREFETCH", 0))
     elif cfg["KERNEL"] == "gemv":
-        _gemv_kernel[grid](*args, **meta)
+        _gemv_kernel[grid](*args, **meta, **launch_kwargs(x.device))
     else:
         _mma_kernel[grid](*args, **meta, DOT_DTYPE=_TL[x.dtype],
-                          DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
+                          DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", **launch_kwargs(x.device))
     return out

@@ -44,6 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import launch_kwargs, pdl_start
 from .w4a16 import _finish
 
 # one LOP3 per packed word (already shifted right by 4 t): AND 0x000F000F, OR the offset's bits
@@ -94,8 +95,9 @@ def _swap_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, ASM: tl.constexpr, X_F16: tl.constexpr,
-    EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     # GROUP_SIZE % BLOCK_K == 0 and K % GROUP_SIZE == 0, so every step is whole in K
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -216,6 +217,68 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
+def bench_pdl(ms=(1, 2, 4, 8, 16)) -> list[dict]:
+    """Programmatic dependent launch (``kiln.kernels.pdl``, ``KILN_PDL``) on and off.
+
+    Per shape and M, the ``TUNED`` W4A16 config: the GEMM chain of ``bench_w4a16`` (one CUDA
+    graph over the weight copies), and, closer to a decode step, each GEMM preceded by the
+    RMSNorm that feeds it ("norm+": time of the pair); bf16 cuBLAS and (where ``use_gemv``)
+    Kiln's bf16 GEMV on the same shapes.  Outputs with PDL on are checked against PDL off."""
+    from kiln.kernels import gemv as gemv_mod
+    from kiln.kernels.norm import fused_add_rms_norm
+    from kiln.kernels.w4a16 import w4a16_gemm
+
+    env = os.environ.get("KILN_PDL")
+    rows = []
+    try:
+        for name, (N, K) in SHAPES.items():
+            w, q = _weight_copies(N, K)
+            nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+            for M in ms:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                row = {"shape": name, "M": M}
+
+                def w4(p, a=x):
+                    return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"])
+
+                def w4n(p):
+                    return w4(p, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+
+                def gv(wi, a=x):
+                    return gemv_mod.gemv(a, wi)
+
+                def gvn(wi):
+                    return gv(wi, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+
+                for tag in ("off", "on"):
+                    os.environ["KILN_PDL"] = "0" if tag == "off" else "1"
+                    y = w4(q[0]).float()
+                    if tag == "off":
+                        ref = y
+                    else:
+                        row["rel_diff_on_vs_off"] = float((y - ref).norm() / ref.norm())
+                    row[f"w4a16_{tag}_us"] = graph_time([lambda p=p: w4(p) for p in q]) * 1e6
+                    row[f"norm+w4a16_{tag}_us"] = graph_time([lambda p=p: w4n(p) for p in q]) * 1e6
+                    if gemv_mod.use_gemv(M, N, K):
+                        row[f"gemv_{tag}_us"] = graph_time([lambda wi=wi: gv(wi) for wi in w]) * 1e6
+                        row[f"norm+gemv_{tag}_us"] = graph_time([lambda wi=wi: gvn(wi) for wi in w]) * 1e6
+                    row[f"norm_{tag}_us"] = graph_time([lambda: fused_add_rms_norm(x, res, nw, 1e-5) for _ in w]) * 1e6
+                row["bf16_us"] = graph_time([lambda wi=wi: x @ wi.t() for wi in w]) * 1e6
+                row["norm+bf16_us"] = graph_time([lambda wi=wi: fused_add_rms_norm(x, res, nw, 1e-5)[0] @ wi.t()
+                                                  for wi in w]) * 1e6
+                row["speedup_on_vs_bf16"] = row["bf16_us"] / row["w4a16_on_us"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del w, q
+    finally:
+        if env is None:
+            os.environ.pop("KILN_PDL", None)
+        else:
+            os.environ["KILN_PDL"] = env
+    return rows
+
+
 def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
     from triton.testing import do_bench
 
@@ -290,14 +353,19 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
                     prm.data.fill_(1.0)
                 else:
                     prm.data.normal_(0.0, 0.02)
-            if _m != "bf16":
+            if _m.split("-")[0] != "bf16":
                 _quantize_dummy(self.model, _m.split("-")[0])
 
         ModelRunner.init_dummy_weights = patched
         from kiln.kernels import w4a16
 
+        # "-nopdl": programmatic dependent launch off (``KILN_PDL=0``)
+        pdl_env = os.environ.get("KILN_PDL")
+        if method.endswith("-nopdl"):
+            os.environ["KILN_PDL"] = "0"
         # "int4-gemv2" / "int4-gemv": force that GEMV kernel at M <= 4 (else TUNED / defaults)
-        w4a16.SMALL_M_KERNEL = method.split("-")[1] if method.startswith("int4-") else ""
+        kern = method.removesuffix("-nopdl").split("-")
+        w4a16.SMALL_M_KERNEL = kern[1] if len(kern) > 1 and kern[0] == "int4" else ""
         try:
             t0 = time.perf_counter()
             llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=max(8, batch), num_kv_blocks=512,
@@ -321,6 +389,10 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
         finally:
             ModelRunner.init_dummy_weights = orig
             w4a16.SMALL_M_KERNEL = ""
+            if pdl_env is None:
+                os.environ.pop("KILN_PDL", None)
+            else:
+                os.environ["KILN_PDL"] = pdl_env
     return rows
 
 
@@ -329,8 +401,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode",
-                   help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), fp8, decode")
-    p.add_argument("--decode-methods", default="bf16,int4,fp8", help="bf16, int4, int4-gemv, int4-gemv2, fp8")
+                   help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), pdl, fp8, decode")
+    p.add_argument("--decode-methods", default="bf16,int4,fp8",
+                   help="bf16, int4, int4-gemv, int4-gemv2, fp8; a -nopdl suffix turns PDL off (KILN_PDL=0)")
     p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
     p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together in the decode part")
     a = p.parse_args()
@@ -346,6 +419,8 @@ def main() -> None:
         res["w4a16_variants"] = bench_w4a16_variants()
     if "w4a16" in only:
         res["w4a16"] = bench_w4a16()
+    if "pdl" in only:
+        res["pdl"] = bench_pdl()
     if "fp8" in only:
         res["fp8"] = bench_fp8()
     if "decode" in only and not a.skip_decode:
