@@ -279,6 +279,67 @@ def bench_pdl(ms=(1, 2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
+def bench_read_floor() -> list[dict]:
+    """The floor under any GEMV on this GPU: time to stream N bytes, per kernel, in the same
+    setting as ``bench_w4a16`` (one CUDA graph over >= 512 MB of buffers, no L2 reuse).
+
+    A Triton kernel reads each buffer once with 16-byte loads (every program a contiguous
+    chunk, XOR-reduced into one word per program so the loads stay); the best of a small sweep
+    (chunk 8-64 KB, 1024-4096 int32 per load step, 4/8 warps) per size.  Sizes: the int4 bytes
+    (packed weights + float16 scales + uint8 zero points, group 128) and the bf16 bytes of the
+    Llama-3.1-8B projections, with bf16 cuBLAS at M = 1 for reference."""
+    import triton
+    import triton.language as tl
+
+    from kiln.kernels.pdl import launch_kwargs, pdl_start
+
+    @triton.jit
+    def _read(src, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pid = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), tl.int32)
+        for i in tl.range(0, CHUNK, BLOCK):
+            acc ^= tl.load(src + pid * CHUNK + i + tl.arange(0, BLOCK))
+        tl.store(out + pid, tl.xor_sum(acc, axis=0))
+
+    rows = []
+    sizes = {}
+    for name, (N, K) in SHAPES.items():
+        sizes[f"{name}_int4"] = N * K // 2 + N * K // 128 * 3
+        sizes[f"{name}_bf16"] = N * K * 2
+    for name, nbytes in sizes.items():
+        best = None
+        for chunk_kb in (8, 16, 32, 64):
+            chunk = chunk_kb * 256  # int32 words
+            words = -(-nbytes // 4 // chunk) * chunk
+            bufs = [torch.empty(words, dtype=torch.int32, device="cuda").random_()
+                    for _ in range(max(2, (512 << 20) // (words * 4)))]
+            out = torch.empty(words // chunk, dtype=torch.int32, device="cuda")
+            for block in (1024, 2048, 4096):
+                for warps in (4, 8):
+                    if block > chunk:
+                        continue
+                    t = graph_time([lambda b=b: _read[(words // chunk,)](b, out, CHUNK=chunk, BLOCK=block,
+                                                                         num_warps=warps,
+                                                                         **launch_kwargs(b.device))
+                                    for b in bufs])
+                    if best is None or t < best[0]:
+                        best = (t, {"chunk_KB": chunk_kb, "BLOCK": block, "num_warps": warps})
+            del bufs
+        row = {"what": name, "MB": nbytes / 1e6, "floor_us": best[0] * 1e6, "TBps": nbytes / best[0] / 1e12,
+               "config": best[1]}
+        if name.endswith("_bf16"):
+            N, K = SHAPES[name[:-5]]
+            w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, (512 << 20) // (N * K * 2)))]
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            row["cublas_m1_us"] = graph_time([lambda wi=wi: x @ wi.t() for wi in w]) * 1e6
+            row["cublas_over_3_us"] = row["cublas_m1_us"] / 3
+            del w
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
     from triton.testing import do_bench
 
@@ -401,7 +462,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode",
-                   help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), pdl, fp8, decode")
+                   help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
     p.add_argument("--decode-methods", default="bf16,int4,fp8",
                    help="bf16, int4, int4-gemv, int4-gemv2, fp8; a -nopdl suffix turns PDL off (KILN_PDL=0)")
     p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
@@ -421,6 +482,8 @@ def main() -> None:
         res["w4a16"] = bench_w4a16()
     if "pdl" in only:
         res["pdl"] = bench_pdl()
+    if "floor" in only:
+        res["read_floor"] = bench_read_floor()
     if "fp8" in only:
         res["fp8"] = bench_fp8()
     if "decode" in only and not a.skip_decode:
