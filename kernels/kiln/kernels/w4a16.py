@@ -564,25 +564,25 @@ def _mma_kernel(
 # 5..8 use 8's, 9..16 use 16's).  H200 sweep (``kiln.runtime.quantization.gpu_bench``,
 # docs/benchmarks.md); shapes or M not listed fall back to the heuristics of ``choose_config``.
 TUNED: dict[tuple[int, int, int], dict] = {
-    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 10.5 us, 1.48x bf16
-    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 10.9 us, 1.50x bf16
-    (6144, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "PREFETCH": 1, "SPLIT_K": 8},  # 13.9 us, 1.13x bf16 (session 7 re-sweep)
-    (6144, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 14.2 us, 1.08x bf16 (session 7 re-sweep)
+    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 8.2 us, 1.90x bf16 (session 7)
+    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},  # 10.0 us, 1.63x bf16 (session 7)
+    (6144, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "PREFETCH": 1, "SPLIT_K": 8},  # 13.9 us, 1.13x bf16 (session 7)
+    (6144, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 14.2 us, 1.08x bf16 (session 7)
     (6144, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 14.2 us, 1.13x bf16
-    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 8.7 us, 1.52x bf16
-    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 9.7 us, 1.34x bf16
-    (4096, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.8 us, 1.21x bf16 (session 7 re-sweep)
-    (4096, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.9 us, 1.20x bf16 (session 7 re-sweep)
+    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 6.9 us, 1.92x bf16 (session 7)
+    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 7.6 us, 1.73x bf16 (session 7)
+    (4096, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.8 us, 1.21x bf16 (session 7)
+    (4096, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.9 us, 1.20x bf16 (session 7)
     (4096, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 11.4 us, 1.17x bf16
-    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 23.6 us, 2.72x bf16
-    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 27.8 us, 2.31x bf16
-    (28672, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.0 us, 1.64x bf16 (session 7 re-sweep)
-    (28672, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.1 us, 1.63x bf16 (session 7 re-sweep)
+    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 22.6 us, 2.86x bf16 (session 7)
+    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 64, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},  # 26.6 us, 2.41x bf16 (session 7)
+    (28672, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.0 us, 1.64x bf16 (session 7)
+    (28672, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.1 us, 1.63x bf16 (session 7)
     (28672, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 2},  # 40.7 us, 1.57x bf16
-    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 8},  # 16.0 us, 2.10x bf16
-    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8, "num_warps": 4, "num_stages": 2, "SPLIT_K": 8},  # 19.3 us, 1.74x bf16
-    (4096, 14336, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.6 us, 1.49x bf16 (session 7 re-sweep)
-    (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.7 us, 1.49x bf16 (session 7 re-sweep)
+    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 14.1 us, 2.36x bf16 (session 7)
+    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 17.0 us, 1.99x bf16 (session 7)
+    (4096, 14336, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.6 us, 1.49x bf16 (session 7)
+    (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.7 us, 1.49x bf16 (session 7)
     (4096, 14336, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 25.1 us, 1.36x bf16
 }
 

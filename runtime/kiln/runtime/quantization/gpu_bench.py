@@ -55,8 +55,12 @@ def graph_time(fns, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps / len(fns)
 
 
-GEMV2_SPACE = [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
-               for bn in (128, 256, 512) for bk, w in ((256, 4), (512, 8)) for st in (1, 2)]
+GEMV2_SPACE = ([{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
+                for bn in (128, 256, 512) for bk, w in ((256, 4), (512, 8)) for st in (1, 2)]
+               # smaller programs (more of them in flight, shorter tails): session 7
+               + [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
+                  for bn, bk, w in ((64, 128, 2), (64, 256, 4), (32, 256, 2), (64, 512, 4), (64, 512, 8), (64, 1024, 8),
+                                    (32, 512, 4), (32, 1024, 4), (128, 1024, 8)) for st in (1, 2)])
 
 # the swap-AB tensor-core kernel (group 128: BLOCK_K 64 or 128); BLOCK_M 8 (mma.sync) or 16 (wgmma)
 SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st, "PREFETCH": pf}
