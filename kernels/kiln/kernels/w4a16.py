@@ -633,8 +633,10 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     """Kernel, tile sizes, warps, stages and split-K for a problem.
 
     ``TUNED`` first (H200 sweep).  Otherwise: M <= 2, a CUDA-core GEMV kernel with enough K
-    splits for about four programs per SM (the packed-half ``gemv2`` for float16/bfloat16 x and
-    groups of 32k, else the float32 ``gemv``: 64 x 128 tiles, split 4-8 in the sweep); 2 < M <=
+    splits to fill the GPU (the packed-half ``gemv2`` for float16/bfloat16 x and groups of 32k:
+    narrow 32-64 column tiles and 1024-wide K steps, what won on all four 8B projections in the
+    session-7 sweep, about two programs per SM; else the float32 ``gemv``: 64 x 128 tiles,
+    about four programs per SM); 2 < M <=
     16 with float16/bfloat16 x and groups of 64k, the swap-AB tensor-core kernel
     (``w4a16_swap``); M <= 64, the tensor-core kernel with x as the A operand and a 16-row
     tile, same split rule; larger M, 128 x 128 tiles without a split.  Under the CPU
@@ -678,9 +680,11 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
             split *= 2
         return split
 
-    if kernel == "gemv2":  # 128 columns x 4 blocks of 64 per step, >= 2 steps per split
-        return {"KERNEL": "gemv2", "BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 256, "CHAIN": 8,
-                "SPLIT_K": split_for(triton.cdiv(N, 128), 256, 2 * sms, 2), "num_warps": 4, "num_stages": 2}
+    if kernel == "gemv2":  # H200 winners (session 7): narrow column tiles, long K steps, ~2 programs per SM
+        bn, bk2, warps = (64, 1024, 8) if M == 1 else (32, 1024, 4)
+        bk2 = min(bk2, max(256, triton.next_power_of_2(K) // 4))
+        return {"KERNEL": "gemv2", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk2, "CHAIN": 8,
+                "SPLIT_K": split_for(triton.cdiv(N, bn), bk2, 2 * sms, 1), "num_warps": warps, "num_stages": 1}
     if kernel == "gemv":  # H200: the GEMV kernel wins at M = 1, 2, the tensor-core one from M = 4
         return {"KERNEL": "gemv", "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 64, "BLOCK_K": bk,
                 "SPLIT_K": split_for(triton.cdiv(N, 64)), "num_warps": 4, "num_stages": 2}
