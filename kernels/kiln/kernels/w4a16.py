@@ -49,6 +49,9 @@ Four kernels:
   shifted by 4 (``0x00F0``) leave its 7-bit mantissa; float16 with one conversion of x per
   block is both more exact and fewer instructions.  Without ``ASM`` (CPU interpreter) the
   same words are computed lane by lane with integer and float32 ops (same bits, same order).
+  H200 launch choice: narrow tiles (32-64 columns x 512-1024 K per step, 2-4 K splits) win at
+  M = 1, 2 on all four Llama-3.1-8B projections; they stream the int4 bytes at 47-66 % of a
+  pure read of the same bytes (docs/benchmarks.md, session 7).
 * ``_mma_kernel`` (larger M): eight ``tl.dot`` of depth ``BLOCK_K / 8`` per step on the same
   ``f`` values (exact in bf16/fp16), group correction on the fp32 dot result.
 * ``w4a16_swap._swap_kernel`` (M <= 16, float16/bfloat16 x, ``G % BLOCK_K == 0``; ``KERNEL:
@@ -62,7 +65,9 @@ SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs
 extra launch costs microseconds): every program writes its float32 partial tile, bumps a
 per-tile counter, and the last one to arrive adds the partials, writes ``y`` and resets the
 counter to zero for the next launch.  Launch choices live in ``choose_config`` and ``TUNED``
-(measured numbers in docs/benchmarks.md, "GPU (H200)").
+(measured numbers in docs/benchmarks.md, "GPU (H200)").  On Hopper every kernel is launched
+with programmatic dependent launch (``kiln.kernels.pdl``): it waits for its predecessor
+before its first load, and all its writes (partials, counters, ``y``) come after that.
 
 ``dequantize_ref`` / ``w4a16_ref`` are the torch reference (dequantize, then matmul in
 float32).
