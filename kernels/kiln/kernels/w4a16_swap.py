@@ -44,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import launch_kwargs, pdl_start
+from .pdl import pdl_start
 from .w4a16 import _finish
 
 # one LOP3 per packed word (already shifted right by 4 t): AND 0x000F000F, OR the offset's bits
