@@ -145,7 +145,7 @@ def llama8b(**kw):
 
 def set_async(llm, on: bool) -> None:
     """Switch asynchronous scheduling between generate() calls (no request is live then)."""
-    llm.engine.args.async_scheduling = on
+    llm.engine.async_scheduling = on
     llm.engine.scheduler.config.async_scheduling = on
 
 

@@ -132,3 +132,25 @@ def test_async_engine_matches_sync_engine(tiny_model):
                 assert len(toks) >= 1
     assert [len(t) for t, *_ in asyn["r2"]] == [15, 15, 15]
     assert len(asyn["r5"][0][0]) == 1
+
+
+@pytest.mark.parametrize("setting, expect_async", [(None, False), (True, True), (False, False)])
+def test_async_scheduling_is_off_on_the_cpu_by_default(tiny_model, setting, expect_async):
+    """Default (None): asynchronous scheduling only on CUDA.  On the CPU the forward runs inside
+    the launch, so an asynchronous engine would hand each token out one step late: with the
+    default, the step that runs the prefill returns the first token (streaming TTFT = one step)."""
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.config import EngineArgs
+    from kiln.runtime.engine import LLMEngine
+
+    eng = LLMEngine(EngineArgs(model=tiny_model, load_format="dummy", num_kv_blocks=24, block_size=8,
+                               async_scheduling=setting))
+    assert eng.async_scheduling is expect_async and eng.scheduler.config.async_scheduling is expect_async
+    eng.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    first = eng.step()
+    if expect_async:
+        assert first == []  # read back one step later
+    else:
+        assert [len(o.outputs[0].token_ids) for o in first] == [1]
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly (debugging)")
     p.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before planning the next (no CPU/GPU overlap)")
+                   help="wait for each step's tokens before planning the next (no CPU/GPU overlap; "
+                        "asynchronous scheduling is on for CUDA devices only)")
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -48,7 +49,7 @@ def engine_args_from(ns: argparse.Namespace):
         kv_cache_memory_fraction=ns.kv_cache_memory_fraction, num_kv_blocks=ns.num_kv_blocks,
         scheduler_policy=ns.scheduler_policy, enable_prefix_caching=not ns.no_prefix_caching,
         load_format=ns.load_format, seed=ns.seed, served_model_name=getattr(ns, "served_model_name", None),
-        enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=not ns.no_async_scheduling,
+        enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,
     )
 
 

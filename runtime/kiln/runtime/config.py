@@ -33,8 +33,11 @@ class EngineArgs:
     enable_cuda_graphs: bool = True
     # Plan and launch step N+1 while step N runs on the device (sampled ids stay on the
     # device; the host reads them one step later).  Requests with repetition / presence /
-    # frequency penalties make the steps they are in synchronous.
-    async_scheduling: bool = True
+    # frequency penalties make the steps they are in synchronous.  None (default): on for a
+    # CUDA device, off on the CPU, where the forward pass runs inside the launch call, so
+    # nothing overlaps and every token would reach its client one step late.  True / False
+    # force it (tests run the asynchronous path on the CPU).
+    async_scheduling: bool | None = None
     # CPU intra-op threads for torch (None: torch's default, one per core).  On a loaded
     # machine 1 avoids OpenMP barrier thrash.  Env: KILN_CPU_THREADS.
     cpu_threads: int | None = None

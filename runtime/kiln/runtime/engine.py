@@ -142,6 +142,9 @@ class LLMEngine:
         num_blocks = self.runner.profile_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs(self.max_model_len)
+        # asynchronous scheduling pays only where the forward pass runs on a device stream
+        self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
@@ -150,7 +153,7 @@ class LLMEngine:
             num_kv_blocks=num_blocks,
             policy=args.scheduler_policy,
             enable_prefix_caching=args.enable_prefix_caching,
-            async_scheduling=args.async_scheduling,
+            async_scheduling=self.async_scheduling,
         ))
         # The step launched last, not yet read back: (its plan, its pending result).
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
@@ -347,7 +350,7 @@ class LLMEngine:
         processes step N-1 (stop checks, detokenization) while step N runs on the device;
         the outputs returned are step N-1's.
         """
-        if not self.args.async_scheduling:
+        if not self.async_scheduling:
             out = self.scheduler.schedule()
             if not out.scheduled:
                 return []
