@@ -189,6 +189,14 @@ def test_malformed_json_gets_400(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{server.v1}/chat/completions", json={"messages": "hello"})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    for body, name in ((None, "null"), ([1], "an array"), ("x", "a string"), (3, "a number")):
+        r = httpx.post(f"{server.v1}/chat/completions", content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].endswith(f"JSON object, got {name}"), r.text
+    # a form-encoded body (curl -d without a content type) is told what to send
+    r = httpx.post(f"{server.v1}/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "send application/json" in r.json()["error"]["message"]
 
 
 def test_openai_client_raises_bad_request(client):

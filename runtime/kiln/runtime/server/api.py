@@ -45,6 +45,15 @@ class _ModelNotFound(Exception):
     OpenAI and vLLM answer)."""
 
 
+def _json_type(value) -> str:
+    """JSON's name for the type of a decoded JSON value (for error messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "an array", str: "a string", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
 def error_body(message: str, etype: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
@@ -178,11 +187,13 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequestError(f"malformed JSON body: {e}") from e
+            ctype = request.headers.get("content-type", "")
+            hint = "" if "json" in ctype else f" (sent as {ctype or 'no content type'}; send application/json)"
+            raise InvalidRequestError(f"malformed JSON body: {e}{hint}") from e
         except RecursionError as e:
             raise InvalidRequestError("malformed JSON body: nested too deeply") from e
         if not isinstance(body, dict):
-            raise InvalidRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+            raise InvalidRequestError(f"the request body must be a JSON object, got {_json_type(body)}")
         try:
             return cls.model_validate(body)
         except ValidationError as e:
