@@ -309,3 +309,24 @@ def test_bad_configs_and_operands():
     with pytest.raises(ValueError, match="empty weight"):
         w4a16_gemm(torch.zeros(2, 0, device=DEVICE).half(), torch.zeros(0, 32, dtype=torch.int32, device=DEVICE),
                    torch.zeros(0, 32, device=DEVICE).half(), torch.zeros(0, 32, dtype=torch.uint8, device=DEVICE))
+
+
+def test_split_k_sums_partials_in_split_order():
+    """The last split to arrive adds all partials in split order (not its own first), so the
+    result does not depend on which split finishes last: it equals ``((p0 + p1) + p2) + p3`` of
+    the four K slices computed separately, bit for bit (float32 x and output: no rounding
+    between the partials and the sum)."""
+    M, N, K, G, split = 2, 32, 512, 64, 4
+    ks = K // split
+    qw, sc, qz = make_weight(N, K, G, seed=3)
+    torch.manual_seed(3)
+    x = torch.randn(M, K, dtype=torch.float32, device=DEVICE)
+    cfg = {"KERNEL": "gemv", "BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 1,
+           "num_stages": 1}
+    y = w4a16_gemm(x, qw, sc, qz, cfg)
+    parts = [w4a16_gemm(x[:, s * ks:(s + 1) * ks], qw[s * ks // 8:(s + 1) * ks // 8], sc[s * ks // G:(s + 1) * ks // G],
+                        qz[s * ks // G:(s + 1) * ks // G], dict(cfg, SPLIT_K=1)) for s in range(split)]
+    expect = parts[0]
+    for p in parts[1:]:
+        expect = expect + p
+    assert torch.equal(y, expect)

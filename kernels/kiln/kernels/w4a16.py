@@ -135,7 +135,8 @@ def _x_offsets(offs_r, R: tl.constexpr):
 def _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k, tile, SPLIT_K,
             HAS_SPLIT: tl.constexpr):
     """Store the [BLOCK_M, BLOCK_N] result, or (split-K) the partial, and let the last split of
-    the tile add them up (float32 partials ``[SPLIT_K, M, N]``, per-tile arrival counter)."""
+    the tile add them up in split order (float32 partials ``[SPLIT_K, M, N]``, per-tile arrival
+    counter), so the result does not depend on which split finishes last."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     if not HAS_SPLIT:
@@ -145,10 +146,10 @@ def _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stri
         tl.store(part + pid_k * M * N, y, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if arrived == SPLIT_K - 1:  # sums in split order, whichever split is last: bit-reproducible
+            y = tl.zeros(y.shape, dtype=tl.float32)
             for s in range(SPLIT_K):
-                if s != pid_k:
-                    y += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                y += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
