@@ -19,7 +19,7 @@ import sys
 
 import triton.language as tl
 
-from kiln.kernels import activation, attention, cache, decode_attention, gemv, norm, rotary, w4a16, w4a16_swap
+from kiln.kernels import activation, attention, cache, decode_attention, gemv, norm, rotary, w4a16, w4a16_gemvt, w4a16_swap
 from kiln.kernels.sass_count import _compile, _sass
 
 _MEM = re.compile(r"^\s*(?:/\*[0-9a-f]+\*/\s*)?(?:@!?U?P\w+\s+)?(LDG|STG|ATOMG|ATOM|RED|REDG|LDGSTS|LD|ST|UTMALDG|"
@@ -61,6 +61,10 @@ KERNELS = {
                                           "cnt_ptr": _I32}, {},
                     dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, CHAIN=8, HAS_SPLIT=True, NUM_STAGES=2,
                          X_BF16=False, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True), 4, 2),
+    "w4a16_gemvt": (w4a16_gemvt._gemvt_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
+                                                "cnt_ptr": _I32}, {},
+                    dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=16, BLOCK_K=2048, HAS_SPLIT=True, X_BF16=True, ASM=True,
+                         EVEN_K=True, EVEN_M=True), 2, 1),
     "w4a16_swap": (w4a16_swap._swap_kernel, {"qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32, "cnt_ptr": _I32}, {},
                    dict(GROUP_SIZE=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, HAS_SPLIT=True, NUM_STAGES=3, ASM=True,
                         X_F16=True, EVEN_N=True, PREFETCH=1), 4, 3),

@@ -46,3 +46,62 @@ def test_fp8_cache_reads_only_the_used_blocks():
     assert torch.equal(out, full)
     assert meta.block_tables is table and int(table[0, 0]) == int(perm[0])  # the caller's metadata is untouched
     print(f"compact path {compact_s * 1e3:.1f} ms")
+
+
+def test_compact_blocks_computed_once_per_metadata(monkeypatch):
+    """Which blocks a step reads and its renumbered block tables depend on the metadata only:
+    the first layer computes them, the other layers reuse them (each dequantizes its own
+    cache, bit-identical to dequantizing the whole pool); a new step's metadata, or a
+    replaced block table, gets them computed afresh."""
+    from kiln.runtime.attention import backend
+
+    calls = []
+    real = backend._compact_blocks
+
+    def counting(meta, *args):
+        calls.append(meta)
+        return real(meta, *args)
+
+    monkeypatch.setattr(backend, "_compact_blocks", counting)
+    g = torch.Generator().manual_seed(1)
+    num_layers, num_blocks, bs, Hkv, Hq, D = 3, 64, 4, 2, 4, 16
+    caches = [tuple((torch.randn(num_blocks, bs, Hkv, D, generator=g) * 50).to(torch.float8_e4m3fn)
+                    for _ in range(2)) for _ in range(num_layers)]
+    k_scale = torch.tensor([0.02, 0.03]).view(Hkv, 1)
+    v_scale = torch.tensor([0.01, 0.04]).view(Hkv, 1)
+    seq_lens, q_lens = [9, 3, 14], [1, 1, 5]
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros((3, 6), dtype=torch.int32)
+    table[0, :3] = perm[:3]
+    table[1, :1] = perm[1:2]  # shared with sequence 0
+    table[2, :4] = perm[3:7]
+    table[0, 3:] = perm[-3:]  # past the context
+    meta = _meta(seq_lens, q_lens, table, bs)
+    q = torch.randn(sum(q_lens), Hq, D, generator=g)
+    for k_cache, v_cache in caches:  # one forward: every layer gets the same metadata
+        out = paged_attention(q, k_cache, v_cache, meta, D ** -0.5, k_scale, v_scale, use_kernels=False)
+        full = torch_backend.paged_attention(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale,
+                                             meta, D ** -0.5)
+        assert torch.equal(out, full)
+    assert len(calls) == 1 and calls[0] is meta
+    cached = backend._step_compact_blocks(meta, caches[0][0])
+    fresh = real(meta, num_blocks, bs, torch.device("cpu"))
+    assert torch.equal(cached.used, fresh.used) and torch.equal(cached.meta.block_tables, fresh.meta.block_tables)
+    assert cached.meta.block_tables.dtype == table.dtype and cached.key == fresh.key
+    assert cached.used.tolist() == sorted(set(perm[:7].tolist()))
+    assert meta.block_tables is table and torch.equal(table[0, 3:], perm[-3:].to(torch.int32))
+
+    # the next step: a new metadata object (same layout) is computed afresh, never served the old one
+    nxt = _meta(seq_lens, q_lens, table.clone(), bs)
+    paged_attention(q, *caches[0], nxt, D ** -0.5, k_scale, v_scale, use_kernels=False)
+    assert len(calls) == 2 and calls[-1] is nxt
+    assert backend._step_compact_blocks(nxt, caches[0][0]) is not cached
+    # a metadata object whose block table is replaced in place of a new object: computed afresh
+    table2 = table.clone()
+    table2[2, :4] = perm[10:14]
+    meta.block_tables = table2
+    out = paged_attention(q, *caches[1], meta, D ** -0.5, k_scale, v_scale, use_kernels=False)
+    assert len(calls) == 3
+    full = torch_backend.paged_attention(q, caches[1][0].to(q.dtype) * k_scale, caches[1][1].to(q.dtype) * v_scale,
+                                         meta, D ** -0.5)
+    assert torch.equal(out, full)

@@ -373,3 +373,60 @@ def test_echo_prepends_the_prompt(client, server):
     assert echoed == kw["prompt"] + plain
     chunks = list(client.completions.create(echo=True, stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == echoed
+
+
+def _openai_error(r: httpx.Response) -> dict:
+    """The error object of an OpenAI-style error response (and nothing but it: no FastAPI
+    ``detail``)."""
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/foo"), ("GET", "/nothing/here"), ("POST", "/completions")])
+def test_unknown_path_is_openai_404(server, method, path):
+    r = httpx.request(method, f"{server.base}{path}", json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 404, r.text
+    err = _openai_error(r)
+    assert err["type"] == "invalid_request_error"
+    msg = err["message"]
+    assert f"no route {method} {path};" in msg, msg
+    # the served endpoints, read from the app's routes (OpenAI ones first)
+    assert "POST /v1/completions" in msg and "POST /v1/chat/completions" in msg and "GET /v1/models" in msg, msg
+    assert msg.index("/v1/models") < msg.index("/health"), msg
+
+
+@pytest.mark.parametrize("method,path,allow", [
+    ("GET", "/v1/completions", "POST"), ("PUT", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET"),
+    ("POST", "/health", "GET")])
+def test_wrong_method_is_openai_405_with_allow(server, method, path, allow):
+    r = httpx.request(method, f"{server.base}{path}", timeout=30)
+    assert r.status_code == 405, r.text
+    assert r.headers["allow"] == allow
+    err = _openai_error(r)
+    assert err["type"] == "invalid_request_error"
+    assert err["message"] == f"method {method} is not allowed on {path}; it takes {allow}", err
+
+
+def test_openai_client_gets_not_found_for_an_unserved_endpoint(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.embeddings.create(model="builtin:smollm2-135m-instruct", input="hi")
+    assert "no route POST /v1/embeddings" in e.value.message
+
+
+def test_body_must_be_sent_as_json(server):
+    """A JSON body sent as text/plain (or with no content type) is refused, as vLLM does;
+    application/json with parameters is fine."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    for path in ("completions", "chat/completions"):
+        for headers, sent in (({"content-type": "text/plain"}, "as 'text/plain'"), ({}, "without a content type")):
+            r = httpx.post(f"{server.v1}/{path}", content=body, headers=headers, timeout=30)
+            assert r.status_code == 400, r.text
+            err = _openai_error(r)
+            assert err["type"] == "invalid_request_error"
+            assert err["message"] == f"the request body was sent {sent}; send application/json", err
+    r = httpx.post(f"{server.v1}/completions", content=body,
+                   headers={"content-type": "Application/JSON; charset=utf-8"}, timeout=60)
+    assert r.status_code == 200, r.text

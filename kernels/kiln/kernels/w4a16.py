@@ -83,7 +83,8 @@ import triton.language as tl
 
 from .pdl import launch_kwargs, pdl_start
 
-__all__ = ["w4a16_gemm", "w4a16_ref", "dequantize_ref", "choose_config", "m_bucket", "TUNED", "KBLOCK"]
+__all__ = ["w4a16_gemm", "w4a16_ref", "dequantize_ref", "choose_config", "m_bucket", "TUNED", "TUNED_KMAJOR",
+           "KBLOCK", "is_kmajor", "to_kmajor"]
 
 KBLOCK = 64  # K columns per interleave block of the packed format
 
@@ -593,6 +594,30 @@ TUNED: dict[tuple[int, int, int], dict] = {
 }
 
 
+# The same for weights stored K-major (``to_kmajor``; serving opt-in, ``KILN_W4A16_LAYOUT=kmajor``).
+# H200 sweep of session 8 (``gpu_bench --only w4a16-kmajor --ms 1,2,4``, docs/benchmarks.md):
+# the K-major GEMV wins at M = 1 (o 6.6 us vs gemv2's 6.9 on N-major, qkv equal, gate_up 27.6
+# vs 22.6 and down 16.5 vs 14.1 slower: it issues ~2.5 instructions per weight and is issue-
+# bound there), the swap kernel from M = 2 (faster than on N-major at M = 4: gate_up 31.0 vs 39.0).
+_GT = {"KERNEL": "gemvt", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 1, "SPLIT_K": 1}
+_SW = {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1,
+       "SPLIT_K": 4}
+TUNED_KMAJOR: dict[tuple[int, int, int], dict] = {
+    (6144, 4096, 1): dict(_GT),  # 8.24 us, 1.93x bf16
+    (6144, 4096, 2): dict(_SW),  # 11.4 us, 1.34x
+    (6144, 4096, 4): dict(_SW),  # 11.4 us, 1.33x
+    (4096, 4096, 1): dict(_GT),  # 6.56 us, 2.02x
+    (4096, 4096, 2): dict(_GT, BLOCK_M=2, BLOCK_K=4096, num_warps=4, SPLIT_K=4),  # 8.30 us, 1.58x
+    (4096, 4096, 4): dict(_SW, num_stages=4),  # 9.15 us, 1.43x
+    (28672, 4096, 1): dict(_GT),  # 27.6 us, 2.31x
+    (28672, 4096, 2): dict(_SW),  # 30.6 us, 2.05x
+    (28672, 4096, 4): dict(_SW, BLOCK_N=256, SPLIT_K=2),  # 31.0 us, 2.05x
+    (4096, 14336, 1): dict(_GT, BLOCK_N=32, SPLIT_K=4),  # 16.5 us, 1.95x
+    (4096, 14336, 2): dict(_SW, num_stages=4),  # 21.8 us, 1.49x
+    (4096, 14336, 4): dict(_SW, num_stages=4),  # 21.9 us, 1.49x
+}
+
+
 def m_bucket(M: int) -> int:
     """The ``TUNED`` bucket of M (0 above 16)."""
     return 1 if M <= 1 else 2 if M == 2 else 4 if M <= 4 else 8 if M <= 8 else 16 if M <= 16 else 0
@@ -602,6 +627,7 @@ def m_bucket(M: int) -> int:
 # keep the kernel chosen when they were captured.
 SMALL_M_KERNEL = os.environ.get("KILN_W4A16_SMALL_M", "")
 
+KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap")
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _NUM_COUNTERS = 1 << 16
@@ -634,11 +660,26 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def is_kmajor(qweight: torch.Tensor) -> bool:
+    """True when the packed weight ``[K // 8, N]`` is stored K-major (strides ``(1, K // 8)``,
+    ``to_kmajor``): each column's packed rows contiguous."""
+    return qweight.dim() == 2 and qweight.shape[1] > 1 and qweight.stride(0) == 1
+
+
+def to_kmajor(t: torch.Tensor) -> torch.Tensor:
+    """The same ``[R, N]`` values stored column by column (strides ``(1, R)``): for
+    ``qweight``, ``scales`` and ``qzeros`` the layout ``w4a16_gemvt`` streams (every kernel
+    takes any strides).  A copy; ``.contiguous()`` gives the checkpoint layout back."""
+    return t.t().contiguous().t()
+
+
 def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
-                  dtype: torch.dtype | None = None, kernel: str | None = None) -> dict:
+                  dtype: torch.dtype | None = None, kernel: str | None = None, kmajor: bool = False) -> dict:
     """Kernel, tile sizes, warps, stages and split-K for a problem.
 
-    ``TUNED`` first (H200 sweep).  Otherwise: M <= 2, a CUDA-core GEMV kernel with enough K
+    ``kmajor`` (the weights are stored K-major, ``to_kmajor``): ``TUNED_KMAJOR`` first, and the
+    K-major GEMV ``gemvt`` (``w4a16_gemvt``) for M <= 4 with float16/bfloat16 x and groups of
+    32k.  Otherwise ``TUNED`` first (H200 sweep).  Then: M <= 2, a CUDA-core GEMV kernel with enough K
     splits to fill the GPU (the packed-half ``gemv2`` for float16/bfloat16 x and groups of 32k:
     narrow 32-64 column tiles and 1024-wide K steps, what won on all four 8B projections in the
     session-7 sweep, about two programs per SM; else the float32 ``gemv``: 64 x 128 tiles,
@@ -648,34 +689,37 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     tile, same split rule; larger M, 128 x 128 tiles without a split.  Under the CPU
     interpreter: small tiles.
 
-    ``kernel`` ("gemv" or "gemv2"; default ``SMALL_M_KERNEL``) forces the GEMV kernel for
-    M <= 4: ``TUNED``'s entry if it is that kernel, else that kernel's default.  ``gemv2``
-    falls back to ``gemv`` where it does not apply (float32 x, G % 32 != 0).
+    ``kernel`` ("gemv", "gemv2" or "gemvt"; default ``SMALL_M_KERNEL``) forces the GEMV kernel
+    for M <= 4: the table's entry if it is that kernel, else that kernel's default.  ``gemv2``
+    and ``gemvt`` fall back to ``gemv`` where they do not apply (float32 x, G % 32 != 0).
     """
-    if kernel not in (None, "", "gemv", "gemv2"):
-        raise ValueError(f"the forced small-M kernel (KILN_W4A16_SMALL_M) must be gemv or gemv2, got {kernel!r}")
+    if kernel not in (None, "", "gemv", "gemv2", "gemvt"):
+        raise ValueError(f"the forced small-M kernel (KILN_W4A16_SMALL_M) must be gemv, gemv2 or gemvt, "
+                         f"got {kernel!r}")
     kernel = kernel or None
     gemv2_ok = dtype in (torch.float16, torch.bfloat16) and group_size % 32 == 0 and M <= 4
-    if kernel == "gemv2" and not gemv2_ok:
+    if kernel in ("gemv2", "gemvt") and not gemv2_ok:
         kernel = "gemv"
     if kernel is not None and M > 4:
         kernel = None
-    tuned = TUNED.get((N, K, m_bucket(M)))
-    if tuned is not None and tuned["KERNEL"] == "gemv2" and not gemv2_ok:
+    tuned = (TUNED_KMAJOR if kmajor else TUNED).get((N, K, m_bucket(M)))
+    if tuned is not None and tuned["KERNEL"] in ("gemv2", "gemvt") and not gemv2_ok:
         tuned = None  # measured for float16/bfloat16 x and groups of 32k only
     half = dtype in (torch.float16, torch.bfloat16)
     if tuned is not None and tuned["KERNEL"] == "swap" and not (half and group_size % tuned["BLOCK_K"] == 0):
         tuned = None  # the swap kernel needs float16/bfloat16 x and whole groups per step
     if tuned is not None and device.type == "cuda" and kernel in (None, tuned["KERNEL"]):
         return dict(tuned)
+    if kernel is None and kmajor and M <= 4 and gemv2_ok:
+        kernel = "gemvt"
     if kernel is None and M <= 2:
         kernel = "gemv2" if gemv2_ok else "gemv"
     bm = min(4, max(1, triton.next_power_of_2(M)))
     bk = 128 if group_size % 128 == 0 else 64
     if device.type != "cuda":
-        if kernel == "gemv2":
-            return {"KERNEL": "gemv2", "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_K": 128, "CHAIN": 8,
-                    "SPLIT_K": 2 if K >= 512 else 1, "num_warps": 1, "num_stages": 1}
+        if kernel in ("gemv2", "gemvt"):
+            return {"KERNEL": kernel, "BLOCK_M": bm, "BLOCK_N": 16 if kernel == "gemv2" else 4, "BLOCK_K": 128,
+                    "CHAIN": 8, "SPLIT_K": 2 if K >= 512 else 1, "num_warps": 1, "num_stages": 1}
         return {"KERNEL": "gemv" if M <= 4 else "mma", "BLOCK_M": min(16, max(1, triton.next_power_of_2(M))),
                 "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2 if K >= 512 else 1, "num_warps": 1, "num_stages": 1}
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -686,6 +730,10 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
             split *= 2
         return split
 
+    if kernel == "gemvt":  # one 64-column block per thread and step, about four programs per SM
+        bn, bk2 = 8, min(1024, max(128, triton.next_power_of_2(K) // 4))
+        return {"KERNEL": "gemvt", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk2, "CHAIN": 8,
+                "SPLIT_K": split_for(triton.cdiv(N, bn), bk2, 4 * sms, 1), "num_warps": 4, "num_stages": 1}
     if kernel == "gemv2":  # H200 winners (session 7): narrow column tiles, long K steps, ~2 programs per SM
         bn, bk2, warps = (64, 1024, 8) if M == 1 else (32, 1024, 4)
         bk2 = min(bk2, max(256, triton.next_power_of_2(K) // 4))
@@ -709,8 +757,8 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
 def _check_config(cfg: dict) -> None:
     """ValueError unless ``cfg`` names a kernel and has the launch keys it needs: power-of-two
     tile sizes, ``SPLIT_K`` / ``num_stages`` >= 1, 1-16 warps."""
-    if cfg.get("KERNEL") not in ("gemv", "gemv2", "mma", "swap"):
-        raise ValueError(f"config KERNEL must be gemv, gemv2, mma or swap, got {cfg.get('KERNEL')!r}")
+    if cfg.get("KERNEL") not in KERNELS:
+        raise ValueError(f"config KERNEL must be one of {', '.join(KERNELS)}, got {cfg.get('KERNEL')!r}")
     need = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"]
     missing = [k for k in need if k not in cfg]
     if missing:
@@ -729,7 +777,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
 
     Args:
         x: activations, any 2-D strides.
-        qweight: int32 [K // 8, N]; scales: float [K // G, N]; qzeros: uint8 [K // G, N].
+        qweight: int32 [K // 8, N]; scales: float [K // G, N]; qzeros: uint8 [K // G, N]; any
+            strides (K-major storage, ``to_kmajor``, selects ``TUNED_KMAJOR`` and ``gemvt``).
         config: override ``choose_config``'s launch choice (benchmarks, tests).
     Raises:
         ValueError: shapes or dtypes that do not fit the format, or a ``config`` that names no
@@ -759,13 +808,15 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         raise ValueError(f"group size {G} must be a multiple of 8")
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
-    cfg = dict(config or choose_config(M, N, K, G, x.device, x.dtype, SMALL_M_KERNEL or None))
+    cfg = dict(config or choose_config(M, N, K, G, x.device, x.dtype, SMALL_M_KERNEL or None,
+                                       kmajor=is_kmajor(qweight)))
     _check_config(cfg)
     bk = cfg["BLOCK_K"]
     if bk % KBLOCK or (cfg["KERNEL"] == "mma" and bk < 128):
         raise ValueError(f"BLOCK_K {bk} must be a multiple of {KBLOCK} (and >= 128 for the mma kernel)")
-    if cfg["KERNEL"] == "gemv2" and (G % 32 or cfg["BLOCK_M"] > 4):
-        raise ValueError(f"the gemv2 kernel needs G % 32 == 0 and BLOCK_M <= 4, got G={G}, {cfg['BLOCK_M']}")
+    if cfg["KERNEL"] in ("gemv2", "gemvt") and (G % 32 or cfg["BLOCK_M"] > 4):
+        raise ValueError(f"the {cfg['KERNEL']} kernel needs G % 32 == 0 and BLOCK_M <= 4, got G={G}, "
+                         f"BLOCK_M={cfg['BLOCK_M']}")
     if cfg["KERNEL"] == "swap" and (G % bk or x.dtype == torch.float32 or cfg["BLOCK_M"] < 8):
         raise ValueError(f"the swap kernel needs float16/bfloat16 x, G % BLOCK_K == 0 and BLOCK_M >= 8, got "
                          f"{x.dtype}, G={G}, BLOCK_K={bk}, BLOCK_M={cfg['BLOCK_M']}")
@@ -788,6 +839,18 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                             CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=split > 1, NUM_STAGES=cfg["num_stages"],
                             X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
                             EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
+                            num_warps=cfg["num_warps"], **launch_kwargs(x.device))
+        return out
+    if cfg["KERNEL"] == "gemvt":
+        from .w4a16_gemvt import _gemvt_kernel  # noqa: PLC0415
+
+        xw = _gemv2_x(x)
+        _gemvt_kernel[grid](xw, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split // 8, split,
+                            xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+                            qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
+                            GROUP_SIZE=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+                            HAS_SPLIT=split > 1, X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x),
+                            EVEN_K=K % bk == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
                             num_warps=cfg["num_warps"], **launch_kwargs(x.device))
         return out
     args = (x, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split, split,

@@ -67,21 +67,84 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
 def _dequantize_used_blocks(k_cache, v_cache, meta: AttentionMetadata, dtype: torch.dtype, k_scale, v_scale):
     """The blocks of an fp8 cache ``[num_blocks, block_size, Hkv, D]`` that the batch's block
     tables cover (``ceil(seq_len / block_size)`` per sequence), dequantized to ``dtype`` into a
-    compact cache, and the metadata with block tables renumbered into it.  Work and memory
-    scale with the batch's context, not with the pool (converting the whole pool every layer
-    made an fp8-KV server on the CPU stall as soon as the pool was large)."""
-    bs = k_cache.shape[1]
-    dev = k_cache.device
-    nblk = torch.tensor([(n + bs - 1) // bs for n in meta.seq_lens_list], device=dev)
+    compact cache ``[num_used, block_size, Hkv, D]``, and the metadata with block tables
+    renumbered into it.  Work and memory scale with the batch's context, not with the pool
+    (converting the whole pool every layer made an fp8-KV server on the CPU stall as soon as
+    the pool was large).  Which blocks, and the renumbered tables, depend on the step's
+    metadata only: computed by the first layer of a forward, reused by the others
+    (:func:`_step_compact_blocks`); each layer only dequantizes its own cache.
+
+    Args:
+        k_cache, v_cache: float8_e4m3fn [num_blocks, block_size, Hkv, D].
+        meta: the step's batch layout (not modified; it caches the compact layout).
+        dtype: the dtype to dequantize to (the query's).
+        k_scale, v_scale: per-KV-head scales, broadcastable to [Hkv, D].
+    Returns:
+        (k, v, meta): ``dtype`` [num_used, block_size, Hkv, D] each, and the metadata whose
+        block tables index them.
+    """
+    compact = _step_compact_blocks(meta, k_cache)
+    k = k_cache.index_select(0, compact.used).to(dtype) * k_scale
+    v = v_cache.index_select(0, compact.used).to(dtype) * v_scale
+    return k, v, compact.meta
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _CompactBlocks:
+    """Where one step's batch reads an fp8 cache: the pool blocks its block tables cover and
+    the metadata renumbered into a compact cache of only those blocks.  It depends on the
+    metadata and the pool's shape, not on the layer."""
+
+    # int64 [num_used]: pool block ids the batch reads, ascending ([0] when it reads none).
+    used: torch.Tensor
+    # The step's metadata with block_tables renumbered into [0, num_used) (same dtype and
+    # shape as the original's first ``max ceil(seq_len / block_size)`` columns).
+    meta: AttentionMetadata
+    # What it was computed from: the metadata's block table tensor (compared by identity)
+    # and (seq_lens_list as a tuple, num_blocks, block_size, device) (compared by value).
+    block_tables: torch.Tensor
+    key: tuple
+
+
+# Attribute of an AttentionMetadata under which its _CompactBlocks is kept: the model runner
+# builds a new metadata object every step, so a step never sees an earlier step's blocks.
+_COMPACT_ATTR = "_kiln_fp8_compact_blocks"
+
+
+def _step_compact_blocks(meta: AttentionMetadata, k_cache: torch.Tensor) -> _CompactBlocks:
+    """:func:`_compact_blocks` of ``meta`` over a pool shaped like ``k_cache``, computed once
+    per metadata object and kept on it (every layer of a forward gets the same metadata).  It
+    is recomputed when the metadata's block table tensor is replaced, its ``seq_lens_list``
+    changes or the pool's shape or device differs (a metadata object reused across steps)."""
+    key = (tuple(meta.seq_lens_list), k_cache.shape[0], k_cache.shape[1], k_cache.device)
+    cached = getattr(meta, _COMPACT_ATTR, None)
+    if cached is None or cached.block_tables is not meta.block_tables or cached.key != key:
+        cached = _compact_blocks(meta, k_cache.shape[0], k_cache.shape[1], k_cache.device)
+        setattr(meta, _COMPACT_ATTR, cached)
+    return cached
+
+
+def _compact_blocks(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device) -> _CompactBlocks:
+    """The pool blocks the batch's block tables cover (``ceil(seq_len / block_size)`` entries
+    per sequence; entries past them are ignored, whatever they hold) and the tables
+    renumbered into a compact cache of those blocks, in ascending block id order.
+
+    Args:
+        meta: the step's batch layout.
+        num_blocks: blocks in the pool (block ids outside ``[0, num_blocks)`` are clamped).
+        block_size: tokens per block.
+        device: the pool's device.
+    """
+    bs = block_size
+    nblk = torch.tensor([(n + bs - 1) // bs for n in meta.seq_lens_list], device=device)
     width = max(1, int(nblk.max()) if len(nblk) else 1)
     bt = meta.block_tables[:, :width].to(torch.int64)
-    cover = torch.arange(bt.shape[1], device=dev).unsqueeze(0) < nblk.unsqueeze(1)
+    cover = torch.arange(bt.shape[1], device=device).unsqueeze(0) < nblk.unsqueeze(1)
     used = torch.unique(bt[cover])
     if used.numel() == 0:
-        used = torch.zeros(1, dtype=torch.int64, device=dev)
-    remap = torch.zeros(k_cache.shape[0], dtype=torch.int64, device=dev)
-    remap[used] = torch.arange(used.numel(), device=dev)
-    tables = torch.where(cover, remap[bt.clamp(0, k_cache.shape[0] - 1)], 0).to(meta.block_tables.dtype)
-    k = k_cache.index_select(0, used).to(dtype) * k_scale
-    v = v_cache.index_select(0, used).to(dtype) * v_scale
-    return k, v, dataclasses.replace(meta, block_tables=tables)
+        used = torch.zeros(1, dtype=torch.int64, device=device)
+    remap = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+    remap[used] = torch.arange(used.numel(), device=device)
+    tables = torch.where(cover, remap[bt.clamp(0, num_blocks - 1)], 0).to(meta.block_tables.dtype)
+    key = (tuple(meta.seq_lens_list), num_blocks, block_size, torch.device(device))
+    return _CompactBlocks(used, dataclasses.replace(meta, block_tables=tables), meta.block_tables, key)

@@ -62,6 +62,11 @@ GEMV2_SPACE = ([{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "n
                   for bn, bk, w in ((64, 128, 2), (64, 256, 4), (32, 256, 2), (64, 512, 4), (64, 512, 8), (64, 1024, 8),
                                     (32, 512, 4), (32, 1024, 4), (128, 1024, 8)) for st in (1, 2)])
 
+# the K-major GEMV (weights stored K-major, session 8): columns per program x K per step x warps
+GEMVT_SPACE = [{"KERNEL": "gemvt", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1}
+               for bn in (4, 8, 16, 32) for bk, w in ((1024, 2), (1024, 4), (2048, 2), (2048, 4), (2048, 8),
+                                                      (4096, 4), (4096, 8))]
+
 # the swap-AB tensor-core kernel (group 128: BLOCK_K 64 or 128); BLOCK_M 8 (mma.sync) or 16 (wgmma)
 SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st, "PREFETCH": pf}
                for bn, w in ((128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3, 4) for pf in (0, 1)]
@@ -69,12 +74,13 @@ SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w,
                  for st in (3, 4)])
 
 
-def _w4a16_space(M: int) -> list[dict]:
-    """Launch configs swept for one M bucket (without SPLIT_K): the packed-half GEMV (M <= 4),
-    the tensor-core kernel with x as the A operand (M >= 4) and the swap-AB one (all M)."""
+def _w4a16_space(M: int, kmajor: bool = False) -> list[dict]:
+    """Launch configs swept for one M bucket (without SPLIT_K): the packed-half GEMV (M <= 4;
+    with ``kmajor`` the K-major ``gemvt``), the tensor-core kernel with x as the A operand
+    (M >= 4) and the swap-AB one (all M)."""
     out = []
     if M <= 4:
-        out += [dict(c, BLOCK_M=M) for c in GEMV2_SPACE]
+        out += [dict(c, BLOCK_M=M) for c in (GEMVT_SPACE if kmajor else GEMV2_SPACE)]
     if M >= 4:
         for bn, w in ((64, 4), (128, 4), (128, 8)):
             out.append({"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 2})
@@ -84,16 +90,16 @@ def _w4a16_space(M: int) -> list[dict]:
 
 def _warm(jobs) -> int:
     """Compile (populate Triton's cache) in a worker process: one call per (N, K, M, config)."""
-    from kiln.kernels.w4a16 import w4a16_gemm
+    from kiln.kernels.w4a16 import to_kmajor, w4a16_gemm
 
     ok = 0
     for N, K, M, cfg, *kmajor in jobs:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         qw = torch.zeros(K // 8, N, dtype=torch.int32, device="cuda")
-        if kmajor and kmajor[0]:
-            qw = qw.t().contiguous().t()
         sc = torch.ones(K // 128, N, dtype=torch.float16, device="cuda")
         z = torch.zeros(K // 128, N, dtype=torch.uint8, device="cuda")
+        if kmajor and kmajor[0]:
+            qw, sc, z = to_kmajor(qw), to_kmajor(sc), to_kmajor(z)
         try:
             w4a16_gemm(x, qw, sc, z, cfg)
             ok += 1
@@ -106,27 +112,30 @@ def _warm(jobs) -> int:
 def _weight_copies(N: int, K: int, kmajor: bool = False) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """bf16 weights [N, K] and their int4 packing (group 128), each copied often enough to fill
     >= 512 MB, so that calls rotating over the copies are not served from L2.  ``kmajor``: the
-    packed words stored K-major (``qweight`` a [K/8, N] view of an [N, K/8] tensor)."""
+    packed words, scales and zero points stored K-major (``w4a16.to_kmajor``)."""
+    from kiln.kernels.w4a16 import to_kmajor
+
     from . import int4
 
     w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, (512 << 20) // (N * K * 2)))]
     s, z = int4.quantize_params(w[0].float(), 128)
     packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
-    if kmajor:
-        packed = dict(packed, qweight=packed["qweight"].t().contiguous().t())
-    return w, [{k: (v.t().clone().t() if kmajor and k == "qweight" else v.clone()) for k, v in packed.items()}
-               for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+    copy = to_kmajor if kmajor else torch.clone
+    return w, [{k: copy(v) for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
 
 
 def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, kmajor: bool = False) -> list[dict]:
-    """Sweep the launch configs per shape and M bucket (filling ``TUNED``), check the winner
-    against the reference, then time it against bf16 cuBLAS."""
+    """Sweep the launch configs per shape and M bucket (filling ``TUNED``, or ``TUNED_KMAJOR``
+    with ``kmajor``: weights stored K-major), check the winner against the reference, then
+    time it against bf16 cuBLAS."""
     import multiprocessing as mp
 
-    from kiln.kernels.w4a16 import TUNED, w4a16_gemm, w4a16_ref
+    from kiln.kernels.w4a16 import TUNED, TUNED_KMAJOR, w4a16_gemm, w4a16_ref
 
+    table = TUNED_KMAJOR if kmajor else TUNED
     # the compiled variant depends on M's bucket, the config and split == 1 or not, not on the shape
-    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp), kmajor) for M in ms for cfg in _w4a16_space(M) for sp in (1, 2)]
+    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp), kmajor) for M in ms for cfg in _w4a16_space(M, kmajor)
+            for sp in (1, 2)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(procs) as pool:
         pool.map(_warm, [jobs[i::procs] for i in range(procs)])
@@ -138,7 +147,7 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             best = None
             per_kernel: dict[str, float] = {}  # best sweep time (us) of each kernel
-            for cfg in _w4a16_space(M):
+            for cfg in _w4a16_space(M, kmajor):
                 for sp in splits:
                     c = dict(cfg, SPLIT_K=sp)
                     try:
@@ -149,7 +158,7 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
                     per_kernel[c["KERNEL"]] = min(per_kernel.get(c["KERNEL"], float("inf")), t * 1e6)
                     if best is None or t < best[0]:
                         best = (t, c)
-            TUNED[(N, K, M)] = best[1]
+            table[(N, K, M)] = best[1]
             packed = q[0]
             ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
             errs = []
@@ -159,12 +168,41 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
             t_bf16 = graph_time([lambda wi=wi: x @ wi.t() for wi in w])
             t_w4 = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"]) for p in q])
             nbytes = N * K / 2 + N * K // 128 * 3
-            rows.append({"shape": name, "N": N, "K": K, "M": M, "bf16_us": t_bf16 * 1e6, "w4a16_us": t_w4 * 1e6,
+            rows.append({"shape": name, "layout": "kmajor" if kmajor else "nmajor", "N": N, "K": K, "M": M,
+                         "bf16_us": t_bf16 * 1e6, "w4a16_us": t_w4 * 1e6,
                          "speedup": t_bf16 / t_w4, "w4a16_GBps": nbytes / t_w4 / 1e9, "max_rel_err": max(errs),
                          "config": best[1], "sweep_us_by_kernel": {k: round(v, 2) for k, v in per_kernel.items()}})
             print(json.dumps(rows[-1]), flush=True)
         del w, q
-    print("TUNED = " + json.dumps({f"{k[0]},{k[1]},{k[2]}": v for k, v in TUNED.items()}), flush=True)
+    print(("TUNED_KMAJOR = " if kmajor else "TUNED = ")
+          + json.dumps({f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}), flush=True)
+    return rows
+
+
+def bench_w4a16_layouts(ms=(32, 128, 512, 2048, 8192)) -> list[dict]:
+    """Larger M (prefill): the default launch (``choose_config``) on N-major vs K-major weights
+    vs bf16 cuBLAS, per projection; each checked against the float32 reference."""
+    from kiln.kernels.w4a16 import w4a16_gemm, w4a16_ref
+
+    rows = []
+    for name, (N, K) in SHAPES.items():
+        w, qn = _weight_copies(N, K, False)
+        _, qk = _weight_copies(N, K, True)
+        del w[2:]
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "M": M}
+            ref = w4a16_ref(x, qn[0]["qweight"], qn[0]["scales"], qn[0]["qzeros"]).float()
+            for lay, q in (("nmajor", qn), ("kmajor", qk)):
+                y = w4a16_gemm(x, q[0]["qweight"], q[0]["scales"], q[0]["qzeros"]).float()
+                row[f"{lay}_rel_err"] = float((y - ref).norm() / ref.norm())
+                row[f"{lay}_us"] = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"])
+                                               for p in q[:8]], reps=5) * 1e6
+            row["bf16_us"] = graph_time([lambda wi=wi: x @ wi.t() for wi in w], reps=5) * 1e6
+            row["kmajor_over_nmajor"] = row["kmajor_us"] / row["nmajor_us"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del w, qn, qk
     return rows
 
 
@@ -428,9 +466,13 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
         pdl_env = os.environ.get("KILN_PDL")
         if method.endswith("-nopdl"):
             os.environ["KILN_PDL"] = "0"
-        # "int4-gemv2" / "int4-gemv": force that GEMV kernel at M <= 4 (else TUNED / defaults)
-        kern = method.removesuffix("-nopdl").split("-")
-        w4a16.SMALL_M_KERNEL = kern[1] if len(kern) > 1 and kern[0] == "int4" else ""
+        # "int4-gemv2" / "int4-gemv" / "int4-gemvt": force that GEMV kernel at M <= 4 (else TUNED /
+        # defaults); "int4-kmajor": weights stored K-major on the GPU (``KILN_W4A16_LAYOUT``)
+        parts = method.removesuffix("-nopdl").split("-")
+        kerns = [k for k in parts[1:] if k in ("gemv", "gemv2", "gemvt")]
+        w4a16.SMALL_M_KERNEL = kerns[0] if kerns and parts[0] == "int4" else ""
+        layout_env = os.environ.get("KILN_W4A16_LAYOUT")
+        os.environ["KILN_W4A16_LAYOUT"] = "kmajor" if "kmajor" in parts else "nmajor"
         try:
             t0 = time.perf_counter()
             llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=max(8, batch), num_kv_blocks=512,
@@ -454,6 +496,10 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
         finally:
             ModelRunner.init_dummy_weights = orig
             w4a16.SMALL_M_KERNEL = ""
+            if layout_env is None:
+                os.environ.pop("KILN_W4A16_LAYOUT", None)
+            else:
+                os.environ["KILN_W4A16_LAYOUT"] = layout_env
             if pdl_env is None:
                 os.environ.pop("KILN_PDL", None)
             else:
@@ -466,9 +512,12 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode",
-                   help="comma list of w4a16, w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
+                   help="comma list of w4a16, w4a16-kmajor (the same sweep on K-major weights), w4a16-layouts "
+                        "(large M, N- vs K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
+    p.add_argument("--ms", default="1,2,4,8,16", help="M values of the w4a16 sweeps")
     p.add_argument("--decode-methods", default="bf16,int4,fp8",
-                   help="bf16, int4, int4-gemv, int4-gemv2, fp8; a -nopdl suffix turns PDL off (KILN_PDL=0)")
+                   help="bf16, int4, int4-gemv, int4-gemv2, int4-kmajor (K-major weights), fp8; a -nopdl suffix turns "
+                        "PDL off (KILN_PDL=0)")
     p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
     p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together in the decode part")
     a = p.parse_args()
@@ -482,8 +531,13 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "w4a16-variants" in only:
         res["w4a16_variants"] = bench_w4a16_variants()
+    ms = tuple(int(m) for m in a.ms.split(","))
     if "w4a16" in only:
-        res["w4a16"] = bench_w4a16()
+        res["w4a16"] = bench_w4a16(ms)
+    if "w4a16-kmajor" in only:
+        res["w4a16_kmajor"] = bench_w4a16(ms, kmajor=True)
+    if "w4a16-layouts" in only:
+        res["w4a16_layouts"] = bench_w4a16_layouts()
     if "pdl" in only:
         res["pdl"] = bench_pdl()
     if "floor" in only:

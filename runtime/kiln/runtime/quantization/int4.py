@@ -19,6 +19,8 @@ and dequantizes as ``W[n, k] = (q[n, k] - qzeros[k // G, n]) * scales[k // G, n]
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 PACK = 8  # int4 values per int32
@@ -134,12 +136,48 @@ class Int4LinearMethod(LinearMethod):
         if x.is_cuda:
             from kiln.kernels.w4a16 import w4a16_gemm  # noqa: PLC0415
 
+            if cuda_layout() == "kmajor":
+                to_kmajor_(layer)
             y = w4a16_gemm(x, layer.qweight, layer.scales, layer.qzeros)
             return y if layer.bias is None else y + layer.bias
         from .fp8 import cached_dequant  # noqa: PLC0415
 
         w = cached_dequant(layer, lambda: dequantize(layer.qweight, layer.scales, layer.qzeros, x.dtype))
         return F.linear(x, w, layer.bias)
+
+
+def cuda_layout() -> str:
+    """How the packed buffers are stored on CUDA for serving, from ``KILN_W4A16_LAYOUT``:
+    ``"nmajor"`` (default: the checkpoint layout) or ``"kmajor"`` (each output column's packed
+    words contiguous, what ``kiln.kernels.w4a16_gemvt`` streams: the same ``[K // 8, N]``
+    tensors with strides ``(1, K // 8)``).  H200, Llama-3.1-8B projections (session 8,
+    docs/benchmarks.md): N-major is faster at M = 1, 2 (the batch-1 decode), K-major at M = 4
+    (1.03-1.26x, the swap kernel), so the default is N-major.
+
+    Raises:
+        ValueError: any other value.
+    """
+    v = os.environ.get("KILN_W4A16_LAYOUT", "nmajor").strip().lower() or "nmajor"
+    if v not in ("kmajor", "nmajor"):
+        raise ValueError(f"KILN_W4A16_LAYOUT must be kmajor or nmajor, got {v!r}")
+    return v
+
+
+def to_kmajor_(layer) -> bool:
+    """Store ``layer``'s ``qweight``, ``scales`` and ``qzeros`` K-major in place (same values,
+    same shapes; a one-time copy per buffer, done on the first CUDA call, which the engine makes
+    in its eager warm-up before any CUDA graph is captured).  Saving is unaffected: the engine
+    writer stores ``.contiguous()`` copies.  Returns True when something was converted; never
+    converts inside a CUDA graph capture (the copy would be recorded into the graph)."""
+    from kiln.kernels.w4a16 import is_kmajor, to_kmajor  # noqa: PLC0415
+
+    if is_kmajor(layer.qweight) or layer.qweight.shape[1] <= 1 or (
+            layer.qweight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    with torch.no_grad():
+        for name in ("qweight", "scales", "qzeros"):
+            setattr(layer, name, to_kmajor(getattr(layer, name)))
+    return True
 
 
 def store_int4(layer, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:

@@ -1,8 +1,10 @@
 """The FastAPI application: OpenAI-compatible endpoints, health, readiness and metrics.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-input (malformed JSON and wrong types included; the message carries the real numbers),
-401 for a missing or wrong API key, 500/503 when the engine is broken or not ready.
+input (malformed JSON, wrong types and a body not sent as ``application/json`` included; the
+message carries the real numbers), 401 for a missing or wrong API key, 404 for an unknown
+model or path, 405 for a wrong method (with ``Allow``), 500/503 when the engine is broken or
+not ready.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine import InvalidRequestError, LLMEngine
@@ -61,6 +66,34 @@ def error_body(message: str, etype: str = "invalid_request_error", code: str | N
 
 def _error(status: int, message: str, etype: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, etype, code), status_code=status)
+
+
+def _served_routes(app: FastAPI) -> str:
+    """The app's endpoints as ``METHOD /path``, the ``/v1`` ones first (for a 404's message)."""
+    routes = sorted((r for r in app.routes if isinstance(r, APIRoute)), key=lambda r: not r.path.startswith("/v1/"))
+    return ", ".join(f"{'|'.join(sorted(r.methods))} {r.path}" for r in routes)
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's and FastAPI's HTTP errors in OpenAI's body instead of ``{"detail": ...}``:
+    the router's 404 (no such path) and 405 (no such method on the path; its ``Allow``
+    header is kept) name what the server does serve; any other keeps its detail as message."""
+    status = exc.status_code
+    if status < 200 or status in (204, 304):  # statuses that carry no body
+        return Response(status_code=status, headers=exc.headers)
+    try:
+        default = exc.detail == HTTPStatus(status).phrase  # raised by the router, not by an endpoint
+    except ValueError:  # a status http.HTTPStatus does not know
+        default = False
+    if status == 404 and default:
+        message = f"no route {request.method} {request.url.path}; the server serves {_served_routes(request.app)}"
+    elif status == 405 and default:
+        allow = (exc.headers or {}).get("Allow", "")
+        message = f"method {request.method} is not allowed on {request.url.path}; it takes {allow}"
+    else:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    etype = "server_error" if status >= 500 else "invalid_request_error"
+    return JSONResponse(error_body(message, etype), status_code=status, headers=exc.headers)
 
 
 def _validation_message(exc: ValidationError | RequestValidationError) -> str:
@@ -117,6 +150,10 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
     app.state.engine = engine
     app.state.async_engine = aengine
     app.state.metrics = metrics
+
+    @app.exception_handler(HTTPException)  # FastAPI's HTTPException is a subclass
+    async def _on_http(request: Request, exc: HTTPException):
+        return _http_error(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
@@ -184,12 +221,22 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
             raise _ModelNotFound(f"the model {name!r} does not exist; this server serves {engine.served_model_name!r}")
 
     async def _parse(request: Request, cls):
+        """The request's JSON body validated as ``cls``.
+
+        Raises:
+            InvalidRequestError (-> 400): a body not sent as ``application/json`` (as vLLM
+                answers: a JSON body sent as ``text/plain`` or a form is refused, not
+                guessed at), malformed JSON, a JSON value that is not an object, or fields
+                ``cls`` rejects.
+        """
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            sent = f"as {ctype!r}" if ctype else "without a content type"
+            raise InvalidRequestError(f"the request body was sent {sent}; send application/json")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            ctype = request.headers.get("content-type", "")
-            hint = "" if "json" in ctype else f" (sent as {ctype or 'no content type'}; send application/json)"
-            raise InvalidRequestError(f"malformed JSON body: {e}{hint}") from e
+            raise InvalidRequestError(f"malformed JSON body: {e}") from e
         except RecursionError as e:
             raise InvalidRequestError("malformed JSON body: nested too deeply") from e
         if not isinstance(body, dict):
