@@ -179,7 +179,7 @@ def test_bad_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("M", [1, 4, 16, 128])
+@pytest.mark.parametrize("M", [1, 4, 16, 63, 64, 128, 600])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_llama8b_shapes_bf16(M, N, K):
     qw, s, z = make_weight(N, K, 128)
@@ -316,6 +316,31 @@ def test_kmajor_choice_and_refusals():
     qw, s, z = make_weight(32, 256, 8)
     with pytest.raises(ValueError, match="gemvt kernel needs G % 32 == 0"):
         w4a16_gemm(x, qw, s, z, config=dict(cfg, BLOCK_M=2))
+
+
+@pytest.mark.parametrize("N,K,G,bn,bk", [(40, 256, 32, 16, 128), (64, 640, 128, 32, 512), (24, 384, 64, 64, 256)])
+def test_dequantize_kernel_and_large_m_path(N, K, G, bn, bk):
+    """``w4a16_dequant.dequantize`` equals the torch reference bit for bit in float32 (one
+    rounding, ``(q - z) * s``) with ragged N and K tiles, on N- and K-major buffers; the
+    ``dequant`` kernel config (what ``choose_config`` picks on CUDA from ``DEQUANT_MIN_M``) is
+    the reference GEMM; smaller M keeps the fused kernels."""
+    from kiln.kernels import w4a16
+    from kiln.kernels.w4a16_dequant import dequantize
+
+    qw, s, z = make_weight(N, K, G, seed=N)
+    ref = dequantize_ref(qw, s, z)
+    assert torch.equal(dequantize(qw, s, z, torch.float32, bn, bk, 1), ref)
+    assert torch.equal(dequantize(to_kmajor(qw), to_kmajor(s), to_kmajor(z), torch.float32, bn, bk, 1), ref)
+    assert torch.equal(dequantize(qw, s, z, torch.float16, bn, bk, 1), ref.half())
+    x = torch.randn(5, K, device=DEVICE)
+    cfg = {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 1,
+           "num_stages": 1}
+    assert rel_err(w4a16_gemm(x, qw, s, z, config=cfg), x @ ref.t()) < 1e-6
+    cuda = torch.device("cuda")
+    assert choose_config(w4a16.DEQUANT_MIN_M, 4096, 4096, 128, cuda, torch.bfloat16)["KERNEL"] == "dequant"
+    if HAS_CUDA:  # (the fused-kernel defaults read the GPU's SM count)
+        assert choose_config(w4a16.DEQUANT_MIN_M - 1, 4096, 4096, 128, cuda, torch.bfloat16)["KERNEL"] == "mma"
+    assert choose_config(4096, 4096, 4096, 128, torch.device("cpu"), torch.bfloat16)["KERNEL"] == "mma"
 
 
 @pytest.mark.gpu

@@ -627,7 +627,12 @@ def m_bucket(M: int) -> int:
 # keep the kernel chosen when they were captured.
 SMALL_M_KERNEL = os.environ.get("KILN_W4A16_SMALL_M", "")
 
-KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap")
+KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap", "dequant")
+# From this M on (CUDA), ``choose_config`` dequantizes the weight and runs cuBLAS
+# (``w4a16_dequant``).  H200, Llama-3.1-8B projections (docs/benchmarks.md, session 8): at
+# M = 512 1.5-2.4x faster than the fused ``mma`` kernel on all four (qkv 158 vs 337 us, gate_up
+# 788 vs 1173), at 2048 3.7-4.4x; at M = 96-256 it wins on qkv, o and down but loses on gate_up.
+DEQUANT_MIN_M = int(os.environ.get("KILN_W4A16_DEQUANT_MIN_M", "512"))
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _NUM_COUNTERS = 1 << 16
@@ -710,6 +715,9 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
         tuned = None  # the swap kernel needs float16/bfloat16 x and whole groups per step
     if tuned is not None and device.type == "cuda" and kernel in (None, tuned["KERNEL"]):
         return dict(tuned)
+    if kernel is None and M >= DEQUANT_MIN_M and device.type == "cuda":  # compute-bound: cuBLAS on a dequantized copy
+        return {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4,
+                "num_stages": 1}
     if kernel is None and kmajor and M <= 4 and gemv2_ok:
         kernel = "gemvt"
     if kernel is None and M <= 2:
@@ -841,6 +849,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                             EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
                             num_warps=cfg["num_warps"], **launch_kwargs(x.device))
         return out
+    if cfg["KERNEL"] == "dequant":  # large M: dequantize once, then a dense GEMM (cuBLAS on CUDA)
+        from .w4a16_dequant import dequantize  # noqa: PLC0415
+
+        w = dequantize(qweight, scales, qzeros, x.dtype, cfg["BLOCK_N"], bk, cfg["num_warps"])
+        return torch.matmul(x, w.t(), out=out)
     if cfg["KERNEL"] == "gemvt":
         from .w4a16_gemvt import _gemvt_kernel  # noqa: PLC0415
 

@@ -179,27 +179,38 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
     return rows
 
 
-def bench_w4a16_layouts(ms=(32, 128, 512, 2048, 8192)) -> list[dict]:
-    """Larger M (prefill): the default launch (``choose_config``) on N-major vs K-major weights
-    vs bf16 cuBLAS, per projection; each checked against the float32 reference."""
-    from kiln.kernels.w4a16 import w4a16_gemm, w4a16_ref
+def bench_w4a16_large(ms=(16, 32, 48, 64, 96, 128, 512, 2048, 8192)) -> list[dict]:
+    """Larger M (prefill): the fused tensor-core kernel (``mma``, its default launch) vs
+    dequantize-then-cuBLAS (``dequant``; the weight dequantization alone too) vs bf16 cuBLAS,
+    per projection, on N-major weights, and ``mma`` on the same weights stored K-major; each
+    checked against the float32 reference.  Sets ``w4a16.DEQUANT_MIN_M``'s crossover."""
+    from kiln.kernels import w4a16
+    from kiln.kernels.w4a16 import choose_config, to_kmajor, w4a16_gemm, w4a16_ref
+    from kiln.kernels.w4a16_dequant import dequantize
 
     rows = []
     for name, (N, K) in SHAPES.items():
         w, qn = _weight_copies(N, K, False)
-        _, qk = _weight_copies(N, K, True)
-        del w[2:]
+        del w[2:], qn[8:]
+        qk = [{k: to_kmajor(v) for k, v in p.items()} for p in qn]
+        t_deq = graph_time([lambda p=p: dequantize(p["qweight"], p["scales"], p["qzeros"], torch.bfloat16)
+                            for p in qn], reps=5)
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            row = {"shape": name, "M": M}
+            row = {"shape": name, "M": M, "dequant_only_us": t_deq * 1e6}
             ref = w4a16_ref(x, qn[0]["qweight"], qn[0]["scales"], qn[0]["qzeros"]).float()
-            for lay, q in (("nmajor", qn), ("kmajor", qk)):
-                y = w4a16_gemm(x, q[0]["qweight"], q[0]["scales"], q[0]["qzeros"]).float()
-                row[f"{lay}_rel_err"] = float((y - ref).norm() / ref.norm())
-                row[f"{lay}_us"] = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"])
-                                               for p in q[:8]], reps=5) * 1e6
+            saved, w4a16.DEQUANT_MIN_M = w4a16.DEQUANT_MIN_M, 1 << 30
+            mma = choose_config(M, N, K, 128, x.device, x.dtype)
+            w4a16.DEQUANT_MIN_M = saved
+            deq = {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4,
+                   "num_stages": 1}
+            for tag, q, cfg in (("mma", qn, mma), ("dequant", qn, deq), ("mma_kmajor", qk, mma)):
+                y = w4a16_gemm(x, q[0]["qweight"], q[0]["scales"], q[0]["qzeros"], cfg).float()
+                row[f"{tag}_rel_err"] = float((y - ref).norm() / ref.norm())
+                row[f"{tag}_us"] = graph_time([lambda p=p, c=cfg: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], c)
+                                               for p in q], reps=5) * 1e6
             row["bf16_us"] = graph_time([lambda wi=wi: x @ wi.t() for wi in w], reps=5) * 1e6
-            row["kmajor_over_nmajor"] = row["kmajor_us"] / row["nmajor_us"]
+            row["mma_config"] = mma["KERNEL"]
             rows.append(row)
             print(json.dumps(row), flush=True)
         del w, qn, qk
@@ -512,8 +523,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode",
-                   help="comma list of w4a16, w4a16-kmajor (the same sweep on K-major weights), w4a16-layouts "
-                        "(large M, N- vs K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
+                   help="comma list of w4a16, w4a16-kmajor (the same sweep on K-major weights), w4a16-large "
+                        "(prefill M: fused mma vs dequantize + cuBLAS vs bf16, N- and K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
     p.add_argument("--ms", default="1,2,4,8,16", help="M values of the w4a16 sweeps")
     p.add_argument("--decode-methods", default="bf16,int4,fp8",
                    help="bf16, int4, int4-gemv, int4-gemv2, int4-kmajor (K-major weights), fp8; a -nopdl suffix turns "
@@ -536,8 +547,8 @@ def main() -> None:
         res["w4a16"] = bench_w4a16(ms)
     if "w4a16-kmajor" in only:
         res["w4a16_kmajor"] = bench_w4a16(ms, kmajor=True)
-    if "w4a16-layouts" in only:
-        res["w4a16_layouts"] = bench_w4a16_layouts()
+    if "w4a16-large" in only:
+        res["w4a16_large"] = bench_w4a16_large()
     if "pdl" in only:
         res["pdl"] = bench_pdl()
     if "floor" in only:
