@@ -18,7 +18,7 @@ conversion, no per-weight scale).  Within one group ``sum_k (q - z) s x = 16 s s
 (16 + z) s sum x``, so the scale and zero point are applied once per group and column to the
 partial sums (two FMAs per 8 weights), not to each weight.
 
-Four kernels:
+Kernels:
 
 * ``_gemv_kernel`` (small M, no tensor cores): a ``[BLOCK_M, BLOCK_K / 8, BLOCK_N]`` tile of
   FMAs per nibble into per-row accumulators, reduced over the rows once at the end.  At
@@ -59,6 +59,12 @@ Four kernels:
   module's docstring).  H200 (Llama-3.1-8B projections): the fastest kernel at M = 4..16,
   1.4-1.5x ``_mma_kernel`` at M = 8 and 1.1-1.25x ``gemv2`` at M = 4; exact to ~1e-4 (the
   packed-half GEMVs: ~1.7e-3).
+
+* ``w4a16_gemvt._gemvt_kernel`` (M <= 4, weights stored K-major by ``to_kmajor``; ``KERNEL:
+  "gemvt"``): the packed-half GEMV with each program streaming whole columns (that module's
+  docstring; ``TUNED_KMAJOR``).
+* ``w4a16_dequant`` (``KERNEL: "dequant"``, CUDA default from ``DEQUANT_MIN_M`` rows): the
+  weight dequantized to x's dtype, then a dense GEMM (cuBLAS).
 
 All split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
 SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs, where each
