@@ -636,9 +636,10 @@ SMALL_M_KERNEL = os.environ.get("KILN_W4A16_SMALL_M", "")
 KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap", "dequant")
 # From this M on (CUDA), ``choose_config`` dequantizes the weight and runs cuBLAS
 # (``w4a16_dequant``).  H200, Llama-3.1-8B projections (docs/benchmarks.md, session 8): at
-# M = 512 1.5-2.4x faster than the fused ``mma`` kernel on all four (qkv 158 vs 337 us, gate_up
-# 788 vs 1173), at 2048 3.7-4.4x; at M = 96-256 it wins on qkv, o and down but loses on gate_up.
-DEQUANT_MIN_M = int(os.environ.get("KILN_W4A16_DEQUANT_MIN_M", "512"))
+# M = 65 3.5x (qkv), 4.8x (o), 1.6x (gate_up), 5.0x (down) faster than the fused ``mma``
+# kernel (whose M > 64 tiles are slow), at 2048 6.3-6.5x (1.2x bf16 cuBLAS); at M = 64 the
+# ``mma`` kernel is 0.85-1.07x of it, so it keeps M <= 64.
+DEQUANT_MIN_M = int(os.environ.get("KILN_W4A16_DEQUANT_MIN_M", "65"))
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _NUM_COUNTERS = 1 << 16
@@ -722,7 +723,7 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     if tuned is not None and device.type == "cuda" and kernel in (None, tuned["KERNEL"]):
         return dict(tuned)
     if kernel is None and M >= DEQUANT_MIN_M and device.type == "cuda":  # compute-bound: cuBLAS on a dequantized copy
-        return {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4,
+        return {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8,
                 "num_stages": 1}
     if kernel is None and kmajor and M <= 4 and gemv2_ok:
         kernel = "gemvt"

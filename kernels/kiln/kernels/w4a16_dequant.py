@@ -4,18 +4,19 @@ For large M (prefill, big batches) a W4A16 GEMM is compute-bound, and the tensor
 that dequantizes every weight tile in its main loop (``w4a16._mma_kernel``) spends most of its
 time on the dequantization: on an H200 it ran 7-9x slower than bf16 cuBLAS at M >= 128 on the
 Llama-3.1-8B projections.  Writing the whole weight out once per call (``N K`` 16-bit values,
-235 MB for gate_up) and then running cuBLAS costs one extra weight pass and wins at large M:
-H200, session 8 (docs/benchmarks.md): dequantization alone 40 us (o) to 640 us (gate_up), the
-whole GEMM at M = 2048 261 vs 1016 us (qkv) and 1245 vs 4625 us (gate_up) for ``mma``.  The
-kernel writes only ~0.4-0.5 TB/s (far from the ~4 TB/s a copy reaches): the crossover
-(``w4a16.DEQUANT_MIN_M`` = 512) would move down with a faster one.  vLLM's AWQ path does the
-same above 256 tokens (``awq_dequantize`` + ``torch.matmul``); the code here is Kiln's own.
+235 MB for gate_up) and then running cuBLAS costs one extra weight pass and wins from M = 65
+on: H200, session 8 (docs/benchmarks.md, ``gpu_bench --only w4a16-large``): dequantization
+alone 22 us (o) to 135 us (gate_up), 1.6-1.75 TB/s written; the whole GEMM at M = 128 45 vs
+168 us (qkv) and 199 vs 343 us (gate_up) for ``mma``, at 2048 1.2x bf16 cuBLAS.  vLLM's AWQ
+path does the same above 256 tokens (``awq_dequantize`` + ``torch.matmul``); the code here is
+Kiln's own.
 
 The kernel: a program turns the packed words of ``BLOCK_N`` columns x ``BLOCK_K`` K columns
 (format in ``w4a16``'s docstring: nibble ``i`` of packed row ``8 b + r`` is ``W[n, 64 b + 8 i +
-r]``) into ``W[n, k] = (q - z) * s``, scale and zero point per (group, column), and stores
-them into ``W`` ``[N, K]`` (row-major, K contiguous) as 16-byte runs (the eight packed rows of
-a block are eight consecutive K columns per nibble).
+r]``) into ``W[n, k] = (q - z) * s`` (float32, rounded once), scale and zero point per (group,
+column), laid out so that the stores into ``W`` ``[N, K]`` (row-major) are whole 128-byte
+lines (an earlier layout that stored 16-byte pieces of 32 rows per instruction wrote at
+0.42 TB/s, this one at 1.6-1.75).
 """
 
 from __future__ import annotations
@@ -34,33 +35,29 @@ def _dequant_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
-    # Tile [BLOCK_N, RB, 8]: column n, 64-column block rb, packed row r.  Nibble i of it is
-    # W[n, 64 rb + 8 i + r]: eight consecutive K columns along r, so every store is a 16-byte
-    # run of a row of W (the loads, 8x fewer bytes, take the layout change).
+    # Tile [BLOCK_N, RB, 64]: element (n, rb, c) is W[n, 64 rb + c], c = 8 i + r: nibble i of
+    # packed row 8 rb + r.  The last axis is 64 consecutive K columns of one row of W, so the
+    # stores are 16-byte vectors of adjacent threads (whole 128-byte lines); a packed word is
+    # loaded by the eight threads that need it (one transaction), the scale and zero point by
+    # all threads of the (n, group) (the same way).
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     RB: tl.constexpr = BLOCK_K // 64
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n3 = offs_n[:, None, None]
     rb3 = (pid_k * RB + tl.arange(0, RB))[None, :, None]
-    r3 = tl.arange(0, 8)[None, None, :]
-    mask = (n3 < N) & (rb3 < K // 64) & (r3 < 8)
-    p = tl.load(qw_ptr + (8 * rb3 + r3) * stride_qk + n3.to(tl.int64) * stride_qn, mask=mask, other=0)
-    w_base = w_ptr + n3.to(tl.int64) * stride_wn + 64 * rb3 + r3  # [BLOCK_N, RB, 8]
-    n2 = offs_n[:, None]
-    rb2 = (pid_k * RB + tl.arange(0, RB))[None, :]
-    mask2 = (n2 < N) & (rb2 < K // 64)
-    for i in tl.static_range(8):
-        # scale and zero point per (column, block): [BLOCK_N, RB], one load per thread and block
-        g = (64 * rb2 + 8 * i) // GROUP_SIZE
-        s = tl.load(s_ptr + g * stride_sg + n2 * stride_sn, mask=mask2, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_zg + n2 * stride_zn, mask=mask2, other=0).to(tl.float32)
-        q = ((p >> (4 * i)) & 0xF).to(tl.float32)
-        tl.store(w_base + 8 * i, ((q - z[:, :, None]) * s[:, :, None]).to(w_ptr.dtype.element_ty), mask=mask)
+    c3 = tl.arange(0, 64)[None, None, :]
+    mask = (n3 < N) & (rb3 < K // 64) & (c3 < 64)
+    p = tl.load(qw_ptr + (8 * rb3 + c3 % 8) * stride_qk + n3.to(tl.int64) * stride_qn, mask=mask, other=0)
+    g = (64 * rb3 + c3) // GROUP_SIZE
+    s = tl.load(s_ptr + g * stride_sg + n3 * stride_sn, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_zg + n3 * stride_zn, mask=mask, other=0).to(tl.float32)
+    q = ((p >> (4 * (c3 // 8))) & 0xF).to(tl.float32)
+    tl.store(w_ptr + n3.to(tl.int64) * stride_wn + 64 * rb3 + c3, ((q - z) * s).to(w_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, dtype: torch.dtype,
-               block_n: int = 64, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
+               block_n: int = 32, block_k: int = 256, num_warps: int = 8) -> torch.Tensor:
     """``W`` [N, K] in ``dtype`` (float16/bfloat16/float32) from the packed format.
 
     Args:

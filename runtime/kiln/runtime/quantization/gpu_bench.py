@@ -202,7 +202,7 @@ def bench_w4a16_large(ms=(16, 32, 48, 64, 96, 128, 512, 2048, 8192)) -> list[dic
             saved, w4a16.DEQUANT_MIN_M = w4a16.DEQUANT_MIN_M, 1 << 30
             mma = choose_config(M, N, K, 128, x.device, x.dtype)
             w4a16.DEQUANT_MIN_M = saved
-            deq = {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4,
+            deq = {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8,
                    "num_stages": 1}
             for tag, q, cfg in (("mma", qn, mma), ("dequant", qn, deq), ("mma_kmajor", qk, mma)):
                 y = w4a16_gemm(x, q[0]["qweight"], q[0]["scales"], q[0]["qzeros"], cfg).float()
