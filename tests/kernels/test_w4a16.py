@@ -132,7 +132,7 @@ def test_gemv2_strided_x_and_choice():
     assert choose_config(1, N, K, 16, dev, torch.float16)["KERNEL"] == "gemv"
     assert choose_config(4, N, K, G, dev, torch.float16, kernel="gemv2")["BLOCK_M"] == 4
     assert choose_config(2, N, K, G, dev, torch.float16, kernel="gemv")["KERNEL"] == "gemv"
-    with pytest.raises(ValueError, match="gemv or gemv2"):
+    with pytest.raises(ValueError, match="gemv, gemv2 or gemvt"):
         choose_config(2, N, K, G, dev, torch.float16, kernel="gemm")
     with pytest.raises(ValueError, match="gemv2"):
         w4a16_gemm(x, *make_weight(N, K, 16, seed=3), config=cfg)

@@ -419,6 +419,34 @@ def _h2_flush(acc, a, s_lo, s_hi, ASM: tl.constexpr):
 
 
 @triton.jit
+def _h2_flush4(acc0, acc1, acc2, acc3, h0, h1, h2, h3, s_lo, s_hi, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+    """``_h2_flush`` of the chains of the first ``BLOCK_M`` rows of x (the rest pass through)."""
+    acc0 = _h2_flush(acc0, h0, s_lo, s_hi, ASM)
+    if BLOCK_M >= 2:
+        acc1 = _h2_flush(acc1, h1, s_lo, s_hi, ASM)
+    if BLOCK_M >= 3:
+        acc2 = _h2_flush(acc2, h2, s_lo, s_hi, ASM)
+    if BLOCK_M >= 4:
+        acc3 = _h2_flush(acc3, h3, s_lo, s_hi, ASM)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _h2_rows_out(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
+    """The ``[BLOCK_M, BLOCK_N]`` result from the per-row float32 accumulators ``[RB, BLOCK_N]``
+    (summed over the block rows; times 16: the weights were ``(q - z) / 16``)."""
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    y = tl.where(rows == 0, 16.0 * tl.sum(acc0, axis=0)[None, :], 0.0)
+    if BLOCK_M >= 2:
+        y = tl.where(rows == 1, 16.0 * tl.sum(acc1, axis=0)[None, :], y)
+    if BLOCK_M >= 3:
+        y = tl.where(rows == 2, 16.0 * tl.sum(acc2, axis=0)[None, :], y)
+    if BLOCK_M >= 4:
+        y = tl.where(rows == 3, 16.0 * tl.sum(acc3, axis=0)[None, :], y)
+    return y
+
+
+@triton.jit
 def _gemv2_kernel(
     xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, SPLIT_K,
@@ -493,23 +521,9 @@ def _gemv2_kernel(
                                c3, d0, d1, d2, d3, h3, (4 * jp) % CHAIN == 0, X_BF16, ASM,
                                EVEN_K and EVEN_M)
             if (4 * jp + 4) % CHAIN == 0:  # end of a chain: into float32 (the next one starts with a multiply)
-                acc0 = _h2_flush(acc0, h0, s_lo, s_hi, ASM)
-                if BLOCK_M >= 2:
-                    acc1 = _h2_flush(acc1, h1, s_lo, s_hi, ASM)
-                if BLOCK_M >= 3:
-                    acc2 = _h2_flush(acc2, h2, s_lo, s_hi, ASM)
-                if BLOCK_M >= 4:
-                    acc3 = _h2_flush(acc3, h3, s_lo, s_hi, ASM)
-    # the weights were (q - z) / 16: the 16 comes back here
+                acc0, acc1, acc2, acc3 = _h2_flush4(acc0, acc1, acc2, acc3, h0, h1, h2, h3, s_lo, s_hi, BLOCK_M, ASM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    y = tl.where(rows == 0, 16.0 * tl.sum(acc0, axis=0)[None, :], 0.0)
-    if BLOCK_M >= 2:
-        y = tl.where(rows == 1, 16.0 * tl.sum(acc1, axis=0)[None, :], y)
-    if BLOCK_M >= 3:
-        y = tl.where(rows == 2, 16.0 * tl.sum(acc2, axis=0)[None, :], y)
-    if BLOCK_M >= 4:
-        y = tl.where(rows == 3, 16.0 * tl.sum(acc3, axis=0)[None, :], y)
+    y = _h2_rows_out(acc0, acc1, acc2, acc3, BLOCK_M)
     _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
             pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
 

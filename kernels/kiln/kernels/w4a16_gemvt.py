@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_start
-from .w4a16 import _H2_ZC1, _H2_ZC2, _finish, _h2_dequant, _h2_flush, _h2_fma, _h2_mul, _ld, _x_pairs
+from .w4a16 import (_H2_ZC1, _H2_ZC2, _finish, _h2_dequant, _h2_flush4, _h2_fma, _h2_mul, _h2_rows_out, _ld,
+                    _x_pairs)
 
 
 @triton.jit
@@ -179,22 +180,8 @@ def _gemvt_kernel(
                 h3 = _row4(xr + 3 * stride_xm, mk1 & (m0 + 3 < M), jp, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
                            d0, d1, d2, d3, h3, X_BF16, ASM, EVEN_K and EVEN_M)
         # end of the block's chain: into float32, times the group's scale
-        acc0 = _h2_flush(acc0, h0, s_lo, s_hi, ASM)
-        if BLOCK_M >= 2:
-            acc1 = _h2_flush(acc1, h1, s_lo, s_hi, ASM)
-        if BLOCK_M >= 3:
-            acc2 = _h2_flush(acc2, h2, s_lo, s_hi, ASM)
-        if BLOCK_M >= 4:
-            acc3 = _h2_flush(acc3, h3, s_lo, s_hi, ASM)
-    # the weights were (q - z) / 16: the 16 comes back here
+        acc0, acc1, acc2, acc3 = _h2_flush4(acc0, acc1, acc2, acc3, h0, h1, h2, h3, s_lo, s_hi, BLOCK_M, ASM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    y = tl.where(rows == 0, 16.0 * tl.sum(acc0, axis=0)[None, :], 0.0)
-    if BLOCK_M >= 2:
-        y = tl.where(rows == 1, 16.0 * tl.sum(acc1, axis=0)[None, :], y)
-    if BLOCK_M >= 3:
-        y = tl.where(rows == 2, 16.0 * tl.sum(acc2, axis=0)[None, :], y)
-    if BLOCK_M >= 4:
-        y = tl.where(rows == 3, 16.0 * tl.sum(acc3, axis=0)[None, :], y)
+    y = _h2_rows_out(acc0, acc1, acc2, acc3, BLOCK_M)
     _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
             pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
