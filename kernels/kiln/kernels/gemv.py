@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_kwargs, pdl_start
+from .splitk import counters as _counters
+from .splitk import finish_tile
 
 __all__ = ["gemv", "gemv_ref", "choose_config", "use_gemv", "m_bucket", "TUNED", "MAX_M"]
 
@@ -76,22 +78,8 @@ def _gemv_kernel(
             x = tl.load(x_ptrs + k0, mask=mk, other=0.0, eviction_policy="evict_last")
         acc += w.to(tl.float32) * x.to(tl.float32)
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if not HAS_SPLIT:
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # float32 partials [SPLIT_K, M, N]; the last split of the tile adds them up
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part + pid_k * M * N, y, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # sums in split order, whichever split is last: deterministic
-            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                y += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+    finish_tile(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
+                pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
 
 
 # Measured launch configs: (N, K, M bucket) -> config; buckets 1, 2, 4, 8 (M = 3 uses 4's,
@@ -118,24 +106,12 @@ TUNED: dict[tuple[int, int, int], dict] = {
     (128256, 4096, 1): {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
 }
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_NUM_COUNTERS = 1 << 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def m_bucket(M: int) -> int:
     """The ``TUNED`` bucket of M (0 above ``MAX_M``)."""
     return 1 if M <= 1 else 2 if M == 2 else 4 if M <= 4 else 8 if M <= 8 else 0
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for split-K tiles (each launch leaves them zero again).
-    One buffer per device: launches on one stream run one after the other."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, _NUM_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def choose_config(M: int, N: int, K: int, device: torch.device) -> dict:

@@ -67,10 +67,8 @@ Kernels:
   weight dequantized to x's dtype, then a dense GEMM (cuBLAS).
 
 All split K over ``SPLIT_K`` programs for small M (N / BLOCK_N tiles alone do not fill 132
-SMs).  The split reduction is in the same launch (kernels run inside CUDA graphs, where each
-extra launch costs microseconds): every program writes its float32 partial tile, bumps a
-per-tile counter, and the last one to arrive adds the partials, writes ``y`` and resets the
-counter to zero for the next launch.  Launch choices live in ``choose_config`` and ``TUNED``
+SMs), reduced in the same launch (``kiln.kernels.splitk``: partials added in split order by
+the last program of a tile).  Launch choices live in ``choose_config`` and ``TUNED``
 (measured numbers in docs/benchmarks.md, "GPU (H200)").  On Hopper every kernel is launched
 with programmatic dependent launch (``kiln.kernels.pdl``): it waits for its predecessor
 before its first load, and all its writes (partials, counters, ``y``) come after that.
@@ -88,6 +86,8 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_kwargs, pdl_start
+from .splitk import counters as _counters
+from .splitk import finish_tile as _finish
 
 __all__ = ["w4a16_gemm", "w4a16_ref", "dequantize_ref", "choose_config", "m_bucket", "TUNED", "TUNED_KMAJOR",
            "KBLOCK", "is_kmajor", "to_kmajor"]
@@ -136,29 +136,6 @@ def _x_offsets(offs_r, R: tl.constexpr):
         return offs_r  # one block per step: contiguous (vector loads of x)
     else:
         return 64 * (offs_r // 8) + offs_r % 8
-
-
-@triton.jit
-def _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k, tile, SPLIT_K,
-            HAS_SPLIT: tl.constexpr):
-    """Store the [BLOCK_M, BLOCK_N] result, or (split-K) the partial, and let the last split of
-    the tile add them up in split order (float32 partials ``[SPLIT_K, M, N]``, per-tile arrival
-    counter), so the result does not depend on which split finishes last."""
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if not HAS_SPLIT:
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part + pid_k * M * N, y, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # sums in split order, whichever split is last: bit-reproducible
-            y = tl.zeros(y.shape, dtype=tl.float32)
-            for s in range(SPLIT_K):
-                y += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -655,8 +632,6 @@ KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap", "dequant")
 # ``mma`` kernel is 0.85-1.07x of it, so it keeps M <= 64.
 DEQUANT_MIN_M = int(os.environ.get("KILN_W4A16_DEQUANT_MIN_M", "65"))
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_NUM_COUNTERS = 1 << 16
 
 
 def _use_asm(x: torch.Tensor) -> bool:
@@ -672,18 +647,6 @@ def _gemv2_x(x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
         x = x.contiguous()
     return x.view(torch.int64)
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for split-K tiles (each launch leaves them zero again).
-
-    One buffer per device, shared by all launches: launches on one stream run one after the
-    other, and each resets the counters it used before it ends."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, _NUM_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def is_kmajor(qweight: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ on an H200) with the packed-half arithmetic of ``w4a16._gemv2_kernel``:
   (``w4a16._x_pairs``), shared by the thread's columns;
 * rows past N are clamped to the last row (loads stay in bounds without a column mask) and
   dropped at the store; ``SPLIT_K`` > 1 splits K with the in-launch, split-ordered reduction
-  of ``w4a16._finish``.
+  of ``kiln.kernels.splitk``.
 
 The weight stream is thus one long contiguous run per program (``BLOCK_N * K / 2`` bytes), as
 in the pure-read floor that ``gpu_bench.bench_read_floor`` measures.  Precision is that of
