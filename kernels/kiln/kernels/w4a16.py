@@ -675,8 +675,9 @@ def choose_config(M: int, N: int, K: int, group_size: int, device: torch.device,
     about four programs per SM); 2 < M <=
     16 with float16/bfloat16 x and groups of 64k, the swap-AB tensor-core kernel
     (``w4a16_swap``); M <= 64, the tensor-core kernel with x as the A operand and a 16-row
-    tile, same split rule; larger M, 128 x 128 tiles without a split.  Under the CPU
-    interpreter: small tiles.
+    tile, same split rule; from ``DEQUANT_MIN_M`` (65) rows on CUDA, the weight dequantized
+    to x's dtype and a cuBLAS GEMM (``w4a16_dequant``; elsewhere larger M gets 128 x 128
+    tiles without a split).  Under the CPU interpreter: small tiles.
 
     ``kernel`` ("gemv", "gemv2" or "gemvt"; default ``SMALL_M_KERNEL``) forces the GEMV kernel
     for M <= 4: the table's entry if it is that kernel, else that kernel's default.  ``gemv2``
