@@ -85,6 +85,19 @@ def test_int4_kmajor_layout(monkeypatch, tmp_path):
     monkeypatch.setenv("KILN_W4A16_LAYOUT", "rowmajor")
     with pytest.raises(ValueError, match="KILN_W4A16_LAYOUT must be kmajor or nmajor, got 'rowmajor'"):
         int4.cuda_layout()
+    with pytest.raises(ValueError, match="KILN_W4A16_LAYOUT"):  # reported when a layer gets its method
+        make_linear("int4", N=64, K=256, G=64)
+    from kiln.kernels import w4a16
+
+    for bad in ("abc", "0", "-3"):
+        monkeypatch.setenv("KILN_W4A16_DEQUANT_MIN_M", bad)
+        with pytest.raises(ValueError, match="KILN_W4A16_DEQUANT_MIN_M must be an integer >= 1"):
+            w4a16._env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65)
+    monkeypatch.setenv("KILN_W4A16_DEQUANT_MIN_M", " 128 ")
+    assert w4a16._env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65) == 128
+    monkeypatch.delenv("KILN_W4A16_DEQUANT_MIN_M")
+    assert w4a16._env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65) == 65
+    monkeypatch.setenv("KILN_W4A16_LAYOUT", "KMajor")
     lin, w = make_linear("int4", N=64, K=256, G=64)
     before = {k: v.clone() for k, v in lin.state_dict().items()}
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))

@@ -630,7 +630,20 @@ KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap", "dequant")
 # M = 65 3.5x (qkv), 4.8x (o), 1.6x (gate_up), 5.0x (down) faster than the fused ``mma``
 # kernel (whose M > 64 tiles are slow), at 2048 6.3-6.5x (1.2x bf16 cuBLAS); at M = 64 the
 # ``mma`` kernel is 0.85-1.07x of it, so it keeps M <= 64.
-DEQUANT_MIN_M = int(os.environ.get("KILN_W4A16_DEQUANT_MIN_M", "65"))
+def _env_min_m(name: str, default: int) -> int:
+    """A positive integer from the environment; ValueError naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (rows from which int4 GEMMs dequantize and use cuBLAS), "
+                         f"got {raw!r}")
+    return value
+
+
+DEQUANT_MIN_M = _env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65)
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 

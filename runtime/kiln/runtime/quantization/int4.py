@@ -123,6 +123,7 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, group_size: int):
         self.group_size = group_size
+        cuda_layout()  # a bad KILN_W4A16_LAYOUT is reported when the engine loads, on any device
 
     def create_weights(self, layer, name: str) -> None:
         N, K = layer.weight.shape
