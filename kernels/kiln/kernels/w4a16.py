@@ -628,8 +628,9 @@ KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap", "dequant")
 # From this M on (CUDA), ``choose_config`` dequantizes the weight and runs cuBLAS
 # (``w4a16_dequant``).  H200, Llama-3.1-8B projections (docs/benchmarks.md, session 8): at
 # M = 65 3.5x (qkv), 4.8x (o), 1.6x (gate_up), 5.0x (down) faster than the fused ``mma``
-# kernel (whose M > 64 tiles are slow), at 2048 6.3-6.5x (1.2x bf16 cuBLAS); at M = 64 the
-# ``mma`` kernel is 0.85-1.07x of it, so it keeps M <= 64.
+# kernel (whose M > 64 tiles are slow), at 2048 6.3-6.5x (1.2x bf16 cuBLAS); at M = 64 it
+# wins on qkv and o (1.32x, 1.16x) and loses on gate_up and down (0.95x, 0.94x), so ``mma``
+# keeps M <= 64, where its tiles are good.
 def _env_min_m(name: str, default: int) -> int:
     """A positive integer from the environment; ValueError naming the variable otherwise."""
     raw = os.environ.get(name, "").strip()

@@ -2,7 +2,7 @@
 
 For large M (prefill, big batches) a W4A16 GEMM is compute-bound, and the tensor-core kernel
 that dequantizes every weight tile in its main loop (``w4a16._mma_kernel``) spends most of its
-time on the dequantization: on an H200 it ran 7-9x slower than bf16 cuBLAS at M >= 128 on the
+time on the dequantization: on an H200 it ran 5-15x slower than bf16 cuBLAS at M = 128 on the
 Llama-3.1-8B projections.  Writing the whole weight out once per call (``N K`` 16-bit values,
 235 MB for gate_up) and then running cuBLAS costs one extra weight pass and wins from M = 65
 on: H200, session 8 (docs/benchmarks.md, ``gpu_bench --only w4a16-large``): dequantization
