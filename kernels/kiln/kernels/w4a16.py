@@ -396,6 +396,24 @@ def _h2_flush(acc, a, s_lo, s_hi, ASM: tl.constexpr):
 
 
 @triton.jit
+def _h2_group(s_ptrs, z_ptrs, stride_sg, stride_zg, mask, GROUP_SIZE: tl.constexpr, EVEN: tl.constexpr):
+    """Per (block, column) group constants of the packed-half kernels from the scale and zero
+    point pointers of the block's first group: the float32 scales of the low and high lanes
+    (``s_lo``, ``s_hi``; different groups when G = 32: nibbles 4..7 are in the next group) and
+    the zero-point words ``zc1 = -(1024 + z) / 16``, ``zc2 = -(64 + z) / 16`` per lane that
+    ``_h2_dequant`` folds in."""
+    s_lo = _ld(s_ptrs, mask, 0.0, EVEN).to(tl.float32)
+    z = _ld(z_ptrs, mask, 0, EVEN).to(tl.int32)
+    if GROUP_SIZE == 32:  # nibbles 4..7 (the high lanes) are in the next group
+        s_hi = _ld(s_ptrs + stride_sg, mask, 0.0, EVEN).to(tl.float32)
+        zz = z | (_ld(z_ptrs + stride_zg, mask, 0, EVEN).to(tl.int32) << 16)
+    else:
+        s_hi = s_lo
+        zz = z * 0x10001
+    return s_lo, s_hi, zz | _H2_ZC1, (zz << 4) | _H2_ZC2
+
+
+@triton.jit
 def _h2_flush4(acc0, acc1, acc2, acc3, h0, h1, h2, h3, s_lo, s_hi, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """``_h2_flush`` of the chains of the first ``BLOCK_M`` rows of x (the rest pass through)."""
     acc0 = _h2_flush(acc0, h0, s_lo, s_hi, ASM)
@@ -462,16 +480,8 @@ def _gemv2_kernel(
         mk = kb < K
         mkn = mk & mask_n
         g = kb // GROUP_SIZE
-        s_lo = _ld(s_ptr + g * stride_sg + n2 * stride_sn, mkn, 0.0, EVEN).to(tl.float32)
-        z = _ld(z_ptr + g * stride_zg + n2 * stride_zn, mkn, 0, EVEN).to(tl.int32)
-        if GROUP_SIZE == 32:  # nibbles 4..7 (the high lanes) are in the next group
-            s_hi = _ld(s_ptr + (g + 1) * stride_sg + n2 * stride_sn, mkn, 0.0, EVEN).to(tl.float32)
-            zz = z | (_ld(z_ptr + (g + 1) * stride_zg + n2 * stride_zn, mkn, 0, EVEN).to(tl.int32) << 16)
-        else:
-            s_hi = s_lo
-            zz = z * 0x10001
-        zc1 = zz | _H2_ZC1
-        zc2 = (zz << 4) | _H2_ZC2
+        s_lo, s_hi, zc1, zc2 = _h2_group(s_ptr + g * stride_sg + n2 * stride_sn, z_ptr + g * stride_zg + n2 * stride_zn,
+                                         stride_sg, stride_zg, mkn, GROUP_SIZE, EVEN)
         q_base = qw_ptr + (kb // 8) * stride_qk + n2 * stride_qn
         xr = xw_ptr + m0 * stride_xm + kb // 4  # [RB, 1]
         for jp in tl.static_range(2):  # packed rows 4 jp .. 4 jp + 3 of the block

@@ -40,8 +40,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_start
-from .w4a16 import (_H2_ZC1, _H2_ZC2, _finish, _h2_dequant, _h2_flush4, _h2_fma, _h2_mul, _h2_rows_out, _ld,
-                    _x_pairs)
+from .w4a16 import _finish, _h2_dequant, _h2_flush4, _h2_fma, _h2_group, _h2_mul, _h2_rows_out, _ld, _x_pairs
 
 
 @triton.jit
@@ -148,16 +147,8 @@ def _gemvt_kernel(
         kb = 8 * kwb  # [RB, 1] first K column of the block
         mk = kb < K
         g = kb // GROUP_SIZE
-        s_lo = _ld(s_ptr + g * stride_sg + n2 * stride_sn, mk, 0.0, EVEN_K).to(tl.float32)  # [RB, BLOCK_N]
-        z = _ld(z_ptr + g * stride_zg + n2 * stride_zn, mk, 0, EVEN_K).to(tl.int32)
-        if GROUP_SIZE == 32:  # nibbles 4..7 (the high lanes) are in the next group
-            s_hi = _ld(s_ptr + (g + 1) * stride_sg + n2 * stride_sn, mk, 0.0, EVEN_K).to(tl.float32)
-            zz = z | (_ld(z_ptr + (g + 1) * stride_zg + n2 * stride_zn, mk, 0, EVEN_K).to(tl.int32) << 16)
-        else:
-            s_hi = s_lo
-            zz = z * 0x10001
-        zc1 = zz | _H2_ZC1
-        zc2 = (zz << 4) | _H2_ZC2
+        s_lo, s_hi, zc1, zc2 = _h2_group(s_ptr + g * stride_sg + n2 * stride_sn, z_ptr + g * stride_zg + n2 * stride_zn,
+                                         stride_sg, stride_zg, mk, GROUP_SIZE, EVEN_K)  # [RB, BLOCK_N] each
         q3 = (qw_ptr + n2 * stride_qn + kwb * stride_qk)[:, :, None] + j3 * stride_qk  # [RB, BLOCK_N, 4]
         kw1 = kw0 + 8 * tl.arange(0, RB)  # [RB] the same blocks, 1-D: x work once per block and thread
         mk1 = 8 * kw1 < K
