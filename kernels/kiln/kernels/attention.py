@@ -108,7 +108,9 @@ def _e4m3_words_to_f16(w, PTX: tl.constexpr):
                 _e4m3_byte_to_f16(w, 24))
 
 
-@triton.jit
+# num_seqs is not specialized (Triton would compile separate variants for 1, multiples of 16
+# and other counts; the search over cu_seqlens costs nothing either way).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional, Union
@@ -22,6 +23,7 @@ __all__ = [
     "check",
     "check_last_dim_contiguous",
     "scale_args",
+    "record_compiles",
 ]
 
 
@@ -123,3 +125,32 @@ def scale_args(scale: Scale, num_kv_heads: int, dummy: torch.Tensor, name: str):
         check(n == 1 or scale.reshape(-1).stride(0) == 1, f"{name} must be contiguous")
         return scale, (0 if n == 1 else 1), 1.0, 2
     return dummy, 0, float(scale), 1
+
+
+@contextlib.contextmanager
+def record_compiles():
+    """Record the Triton kernel variants compiled in this process while the block runs.
+
+    Triton compiles a ``@triton.jit`` kernel on its first launch for each specialization
+    (constexpr values, dtypes, integer arguments equal to 1 or divisible by 16): from about
+    0.3 s (a hit in the on-disk cache) to a few seconds per variant, paid by whatever step
+    launched it.  Yields a list that receives one ``"module:qualname"`` string per variant
+    compiled (or loaded from the disk cache) inside the block; launches of variants already in
+    the process's cache add nothing.  Uses ``triton.knobs.runtime.jit_post_compile_hook`` and
+    restores the hook that was set before (which is still called).
+    """
+    from triton import knobs  # noqa: PLC0415
+
+    log: list[str] = []
+    prev = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        log.append(f"{getattr(fn, 'module', '?')}:{getattr(fn, 'name', '?')}")
+        return prev(*args, **kwargs) if prev is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield log
+    finally:
+        knobs.runtime.jit_post_compile_hook = prev

@@ -31,6 +31,9 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     enable_cuda_graphs: bool = True
+    # Compile the Triton kernel variants serving can reach at start-up (CUDA; ModelRunner.
+    # warmup_kernels), so no request waits for a JIT compile.
+    kernel_warmup: bool = True
     # Plan and launch step N+1 while step N runs on the device (sampled ids stay on the
     # device; the host reads them one step later).  Requests with repetition / presence /
     # frequency penalties make the steps they are in synchronous.  None (default): on for a
