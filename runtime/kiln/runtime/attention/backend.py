@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -19,6 +20,25 @@ def _kernels():
     except Exception:  # pragma: no cover
         return None
     return k if hasattr(k, "paged_attention") and hasattr(k, "reshape_and_cache") else None
+
+
+# Rotary embedding and KV-cache write in one kernel on CUDA (``kiln.kernels.cache.
+# rotary_and_cache``); KILN_FUSED_ROPE_KV=0 runs them as two kernels (A/B benchmarks).
+FUSED_ROPE_KV = os.environ.get("KILN_FUSED_ROPE_KV", "1").strip() not in ("0", "false", "off")
+
+
+def rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None,
+                        v_scale=None) -> bool:
+    """Rotate q and k in place by their positions and store k, v at ``slot_mapping`` in one
+    launch, where the fused kernel applies (CUDA); returns False (nothing done) otherwise, and
+    the caller runs the rotary embedding and ``write_kv_cache`` separately."""
+    kern = _kernels() if q.is_cuda and FUSED_ROPE_KV else None
+    if kern is None:
+        return False
+    from kiln.kernels.cache import rotary_and_cache  # noqa: PLC0415
+
+    rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return True
 
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

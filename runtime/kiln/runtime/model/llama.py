@@ -48,11 +48,14 @@ class PagedAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]; kv_written: k, v already in the cache
         if self.k_cache is None:
             raise RuntimeError("KV cache not bound: call ModelRunner.allocate_kv_cache first")
-        attn_backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not kv_written:
+            attn_backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale,
+                                        self.v_scale)
         return attn_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
 
 
@@ -80,8 +83,14 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        a = self.attn
+        if a.k_cache is not None and attn_backend.rotary_and_write_kv(
+                positions, q, k, v, self.rotary_emb.cos_sin_cache, a.k_cache, a.v_cache, meta.slot_mapping,
+                a.k_scale, a.v_scale):
+            out = a(q, k, v, meta, kv_written=True)  # one kernel rotated q, k and wrote the cache
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+            out = a(q, k, v, meta)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
