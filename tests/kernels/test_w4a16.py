@@ -92,20 +92,22 @@ def test_f16x2_magic_numbers():
 GEMV2_TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K,G,bn,bk,split,chain", [
     (1, 64, 256, 32, 16, 128, 1, 8), (1, 48, 640, 128, 32, 256, 2, 8), (2, 40, 384, 64, 16, 128, 3, 4),
     (3, 24, 320, 32, 16, 128, 2, 8), (4, 16, 512, 128, 16, 64, 4, 4), (1, 80, 1024, 64, 32, 128, 4, 8),
 ])
-def test_gemv2_matches_reference(dtype, M, N, K, G, bn, bk, split, chain):
+def test_gemv2_matches_reference(dtype, M, N, K, G, bn, bk, split, chain, prefetch):
     """The packed-half GEMV against the float32 reference: every group size (32: the two lanes of
     a word in different groups), M = 1..4 (BLOCK_M 1, 2, 4 with masked rows), K and N not
-    multiples of the tile, split-K, both chain lengths, both x dtypes.  A wrong nibble order or
+    multiples of the tile, split-K, both chain lengths, both x dtypes, with and without the
+    next step's loads prefetched (``PREFETCH``; a split's last step re-reads itself).  A wrong nibble order or
     a missing zero point gives an error of order 1."""
     qw, s, z = make_weight(N, K, G, seed=M + K)
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     cfg = {"KERNEL": "gemv2", "BLOCK_M": min(4, 1 << (M - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": bk,
-           "CHAIN": chain, "SPLIT_K": split, "num_warps": 1, "num_stages": 1}
+           "CHAIN": chain, "SPLIT_K": split, "num_warps": 1, "num_stages": 1, "PREFETCH": prefetch}
     ref = x.float() @ dequantize_ref(qw, s, z).t()
     out = w4a16_gemm(x, qw, s, z, config=cfg)
     assert out.dtype == dtype and out.shape == (M, N)

@@ -51,7 +51,11 @@ Kernels:
   same words are computed lane by lane with integer and float32 ops (same bits, same order).
   H200 launch choice: narrow tiles (32-64 columns x 512-1024 K per step, 2-4 K splits) win at
   M = 1, 2 on all four Llama-3.1-8B projections; they stream the int4 bytes at 47-66 % of a
-  pure read of the same bytes (docs/benchmarks.md, session 7).
+  pure read of the same bytes (docs/benchmarks.md, session 7).  Nsight Compute (session 9):
+  25-62 % occupancy and half the stall cycles waiting on global loads, which the loop issued
+  interleaved with the math; ``PREFETCH`` 1 loads the next step's packed words, scales and
+  zero points before this step's math (register double buffering), and with 2048-wide steps
+  and no K split it wins on qkv and o (M = 1, 2) and gate_up (M = 2).
 * ``_mma_kernel`` (larger M): eight ``tl.dot`` of depth ``BLOCK_K / 8`` per step on the same
   ``f`` values (exact in bf16/fp16), group correction on the fp32 dot result.
 * ``w4a16_swap._swap_kernel`` (M <= 16, float16/bfloat16 x, ``G % BLOCK_K == 0``; ``KERNEL:
@@ -442,6 +446,27 @@ def _h2_rows_out(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _gemv2_fetch(qw_ptr, s_ptr, z_ptr, kb, n2, mkn, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+                 GROUP_SIZE: tl.constexpr, EVEN: tl.constexpr):
+    """The loads of one ``_gemv2_kernel`` step: the eight packed rows of the 64-column blocks
+    starting at K columns ``kb`` [RB, 1] for columns ``n2`` [1, BLOCK_N] (int32 words), and the
+    blocks' group constants (``_h2_group``)."""
+    g = kb // GROUP_SIZE
+    s_lo, s_hi, zc1, zc2 = _h2_group(s_ptr + g * stride_sg + n2 * stride_sn, z_ptr + g * stride_zg + n2 * stride_zn,
+                                     stride_sg, stride_zg, mkn, GROUP_SIZE, EVEN)
+    q_base = qw_ptr + (kb // 8) * stride_qk + n2 * stride_qn
+    w0 = _ld(q_base, mkn, 0, EVEN)
+    w1 = _ld(q_base + stride_qk, mkn, 0, EVEN)
+    w2 = _ld(q_base + 2 * stride_qk, mkn, 0, EVEN)
+    w3 = _ld(q_base + 3 * stride_qk, mkn, 0, EVEN)
+    w4 = _ld(q_base + 4 * stride_qk, mkn, 0, EVEN)
+    w5 = _ld(q_base + 5 * stride_qk, mkn, 0, EVEN)
+    w6 = _ld(q_base + 6 * stride_qk, mkn, 0, EVEN)
+    w7 = _ld(q_base + 7 * stride_qk, mkn, 0, EVEN)
+    return w0, w1, w2, w3, w4, w5, w6, w7, s_lo, s_hi, zc1, zc2
+
+
+@triton.jit
 def _gemv2_kernel(
     xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, SPLIT_K,
@@ -449,8 +474,12 @@ def _gemv2_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHAIN: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, X_BF16: tl.constexpr,
     ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
+    # PREFETCH 1: the next step's packed words, scales and zero points are loaded before this
+    # step's math (register double buffering: a warp keeps a step of loads in flight while it
+    # computes; the last step re-reads itself, an L2 hit, instead of a masked load).
     # xw_ptr: x as int64 words [M, K / 4] (four float16/bfloat16 each), row stride stride_xm words.
     # A step is RB = BLOCK_K / 64 blocks of 64 K columns x BLOCK_N columns of W; tile element
     # (rb, n) walks the block's 8 packed rows, so each thread keeps one block row and reuses its
@@ -475,24 +504,38 @@ def _gemv2_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     EVEN: tl.constexpr = EVEN_K and EVEN_N
+    if PREFETCH:
+        k_last = k_lo + ((k_hi - k_lo - 1) // BLOCK_K) * BLOCK_K  # first column of the split's last step
+        kf = k_lo + 64 * rb
+        f0, f1, f2, f3, f4, f5, f6, f7, fs_lo, fs_hi, fz1, fz2 = _gemv2_fetch(
+            qw_ptr, s_ptr, z_ptr, kf, n2, (kf < K) & mask_n, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg,
+            stride_zn, GROUP_SIZE, EVEN)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kb = k0 + 64 * rb  # [RB, 1] first K column of the block row
         mk = kb < K
         mkn = mk & mask_n
-        g = kb // GROUP_SIZE
-        s_lo, s_hi, zc1, zc2 = _h2_group(s_ptr + g * stride_sg + n2 * stride_sn, z_ptr + g * stride_zg + n2 * stride_zn,
-                                         stride_sg, stride_zg, mkn, GROUP_SIZE, EVEN)
-        q_base = qw_ptr + (kb // 8) * stride_qk + n2 * stride_qn
+        if PREFETCH:
+            w0, w1, w2, w3, w4, w5, w6, w7, s_lo, s_hi, zc1, zc2 = f0, f1, f2, f3, f4, f5, f6, f7, fs_lo, fs_hi, fz1, fz2
+            kf = tl.minimum(k0 + BLOCK_K, k_last) + 64 * rb
+            f0, f1, f2, f3, f4, f5, f6, f7, fs_lo, fs_hi, fz1, fz2 = _gemv2_fetch(
+                qw_ptr, s_ptr, z_ptr, kf, n2, (kf < K) & mask_n, stride_qk, stride_qn, stride_sg, stride_sn,
+                stride_zg, stride_zn, GROUP_SIZE, EVEN)
+        else:
+            w0, w1, w2, w3, w4, w5, w6, w7, s_lo, s_hi, zc1, zc2 = _gemv2_fetch(
+                qw_ptr, s_ptr, z_ptr, kb, n2, mkn, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+                GROUP_SIZE, EVEN)
         xr = xw_ptr + m0 * stride_xm + kb // 4  # [RB, 1]
         for jp in tl.static_range(2):  # packed rows 4 jp .. 4 jp + 3 of the block
-            p = _ld(q_base + (4 * jp) * stride_qk, mkn, 0, EVEN)
-            a0, a1, a2, a3 = _h2_dequant(p, zc1, zc2, ASM)
-            p = _ld(q_base + (4 * jp + 1) * stride_qk, mkn, 0, EVEN)
-            b0, b1, b2, b3 = _h2_dequant(p, zc1, zc2, ASM)
-            p = _ld(q_base + (4 * jp + 2) * stride_qk, mkn, 0, EVEN)
-            c0, c1, c2, c3 = _h2_dequant(p, zc1, zc2, ASM)
-            p = _ld(q_base + (4 * jp + 3) * stride_qk, mkn, 0, EVEN)
-            d0, d1, d2, d3 = _h2_dequant(p, zc1, zc2, ASM)
+            if jp == 0:
+                a0, a1, a2, a3 = _h2_dequant(w0, zc1, zc2, ASM)
+                b0, b1, b2, b3 = _h2_dequant(w1, zc1, zc2, ASM)
+                c0, c1, c2, c3 = _h2_dequant(w2, zc1, zc2, ASM)
+                d0, d1, d2, d3 = _h2_dequant(w3, zc1, zc2, ASM)
+            else:
+                a0, a1, a2, a3 = _h2_dequant(w4, zc1, zc2, ASM)
+                b0, b1, b2, b3 = _h2_dequant(w5, zc1, zc2, ASM)
+                c0, c1, c2, c3 = _h2_dequant(w6, zc1, zc2, ASM)
+                d0, d1, d2, d3 = _h2_dequant(w7, zc1, zc2, ASM)
             h0 = _h2_rows4(xr, mk, jp, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, h0,
                            (4 * jp) % CHAIN == 0, X_BF16, ASM, EVEN_K)
             if BLOCK_M >= 2:
@@ -578,23 +621,23 @@ def _mma_kernel(
 # 5..8 use 8's, 9..16 use 16's).  H200 sweep (``kiln.runtime.quantization.gpu_bench``,
 # docs/benchmarks.md); shapes or M not listed fall back to the heuristics of ``choose_config``.
 TUNED: dict[tuple[int, int, int], dict] = {
-    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 8.2 us, 1.90x bf16 (session 7)
-    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},  # 10.0 us, 1.63x bf16 (session 7)
+    (6144, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 2048, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 1, "SPLIT_K": 1},  # 7.46 us, 2.09x bf16 (session 9)
+    (6144, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 1, "SPLIT_K": 1},  # 9.06 us, 1.73x bf16 (session 9)
     (6144, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "PREFETCH": 1, "SPLIT_K": 8},  # 13.9 us, 1.13x bf16 (session 7)
     (6144, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 14.2 us, 1.08x bf16 (session 7)
     (6144, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 14.2 us, 1.13x bf16
-    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 6.9 us, 1.92x bf16 (session 7)
-    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8},  # 7.6 us, 1.73x bf16 (session 7)
+    (4096, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 2048, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 1, "SPLIT_K": 1},  # 5.73 us, 2.31x bf16 (session 9)
+    (4096, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 2048, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 1, "SPLIT_K": 1},  # 6.72 us, 1.96x bf16 (session 9)
     (4096, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.8 us, 1.21x bf16 (session 7)
     (4096, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 10.9 us, 1.20x bf16 (session 7)
     (4096, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 4},  # 11.4 us, 1.17x bf16
-    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 2},  # 22.6 us, 2.86x bf16 (session 7)
-    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 64, "BLOCK_K": 512, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},  # 26.6 us, 2.41x bf16 (session 7)
+    (28672, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 0, "SPLIT_K": 1},  # 19.88 us, 2.86x bf16 (session 9)
+    (28672, 4096, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 1, "SPLIT_K": 1},  # 24.5 us, 2.34x bf16 (session 9)
     (28672, 4096, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.0 us, 1.64x bf16 (session 7)
     (28672, 4096, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 1},  # 39.1 us, 1.63x bf16 (session 7)
     (28672, 4096, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 2},  # 40.7 us, 1.57x bf16
-    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "SPLIT_K": 4},  # 14.1 us, 2.36x bf16 (session 7)
-    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 4},  # 17.0 us, 1.99x bf16 (session 7)
+    (4096, 14336, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 2048, "CHAIN": 8, "num_warps": 8, "num_stages": 1, "PREFETCH": 0, "SPLIT_K": 4},  # 12.86 us, 2.49x bf16 (session 9)
+    (4096, 14336, 2): {"KERNEL": "gemv2", "BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 2048, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 0, "SPLIT_K": 4},  # 15.26 us, 2.12x bf16 (session 9)
     (4096, 14336, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.6 us, 1.49x bf16 (session 7)
     (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.7 us, 1.49x bf16 (session 7)
     (4096, 14336, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 25.1 us, 1.36x bf16
@@ -856,7 +899,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                             CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=split > 1, NUM_STAGES=cfg["num_stages"],
                             X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
                             EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
-                            num_warps=cfg["num_warps"], **launch_kwargs(x.device))
+                            PREFETCH=cfg.get("PREFETCH", 0), num_warps=cfg["num_warps"], **launch_kwargs(x.device))
         return out
     if cfg["KERNEL"] == "dequant":  # large M: dequantize once, then a dense GEMM (cuBLAS on CUDA)
         from .w4a16_dequant import dequantize  # noqa: PLC0415

@@ -60,7 +60,13 @@ GEMV2_SPACE = ([{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "n
                # smaller programs (more of them in flight, shorter tails): session 7
                + [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": st}
                   for bn, bk, w in ((64, 128, 2), (64, 256, 4), (32, 256, 2), (64, 512, 4), (64, 512, 8), (64, 1024, 8),
-                                    (32, 512, 4), (32, 1024, 4), (128, 1024, 8)) for st in (1, 2)])
+                                    (32, 512, 4), (32, 1024, 4), (128, 1024, 8)) for st in (1, 2)]
+               # the next step's loads issued before this step's math (PREFETCH 1) and 2048-wide
+               # steps: session 9 (they won on qkv, o and gate_up at M = 2, qkv and o at M = 1)
+               + [{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "num_warps": w, "num_stages": 1,
+                   "PREFETCH": pf}
+                  for bn, bk, w in ((64, 512, 8), (64, 1024, 8), (32, 1024, 4), (32, 512, 4), (64, 2048, 8),
+                                    (32, 2048, 4)) for pf in (0, 1)])
 
 # the K-major GEMV (weights stored K-major, session 8): columns per program x K per step x warps
 GEMVT_SPACE = [{"KERNEL": "gemvt", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1}
