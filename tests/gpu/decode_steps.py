@@ -1,0 +1,76 @@
+"""Batch-1 decode of the Llama-3.1-8B shape (random weights) with a per-step breakdown
+(device only): host time of ``LLMEngine.step``, of the launch (``execute_async``) and of the
+wait for the sampled ids, and, from CUDA events recorded around each step's launches, the GPU
+span of a step and the GPU idle gap between steps (0 when asynchronous scheduling keeps the
+GPU fed).  Medians over the last 200 of 256 steps, one JSON line.
+
+    PYTHONPATH=runtime:kernels:operator python3 tests/gpu/decode_steps.py {bf16|int4|fp8|int4-kmajor|...}
+
+The method names are those of ``kiln.runtime.quantization.gpu_bench.bench_decode`` (which this
+wraps); run each method in a fresh process.  Environment switches (``KILN_FUSED_ROPE_KV=0``,
+``KILN_PDL=0``) give the A/B runs of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+import kiln.runtime.engine as en
+import kiln.runtime.model_runner as mr
+from kiln.runtime.quantization import gpu_bench as g
+
+
+def main(method: str) -> dict:
+    rec: dict[str, list] = {"wait": [], "exec": [], "step": [], "ev": []}
+    o_res, o_ex, o_step = mr.PendingStep.result, mr.ModelRunner.execute_async, en.LLMEngine.step
+
+    def result(self):
+        t = time.perf_counter()
+        r = o_res(self)
+        rec["wait"].append(time.perf_counter() - t)
+        return r
+
+    def execute_async(self, out, rows):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t = time.perf_counter()
+        r = o_ex(self, out, rows)
+        rec["exec"].append(time.perf_counter() - t)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e1.record()
+        rec["ev"].append((e0, e1))
+        return r
+
+    def step(self):
+        t = time.perf_counter()
+        r = o_step(self)
+        rec["step"].append(time.perf_counter() - t)
+        return r
+
+    mr.PendingStep.result, mr.ModelRunner.execute_async, en.LLMEngine.step = result, execute_async, step
+    try:
+        rows = g.bench_decode((method,), new_tokens=256)
+    finally:
+        mr.PendingStep.result, mr.ModelRunner.execute_async, en.LLMEngine.step = o_res, o_ex, o_step
+    torch.cuda.synchronize()
+    n = 200
+    ev = rec["ev"][-n:]
+    span = [a.elapsed_time(b) for a, b in ev]
+    gap = [ev[i][1].elapsed_time(ev[i + 1][0]) for i in range(len(ev) - 1)]
+
+    def med(v):
+        return sorted(v)[len(v) // 2]
+
+    out = {"method": method, "ms_per_token": rows[0]["ms_per_token"], "load_s": rows[0]["load_s"],
+           "step_host_ms": 1e3 * med(rec["step"][-n:]), "exec_host_ms": 1e3 * med(rec["exec"][-n:]),
+           "wait_ms": 1e3 * med(rec["wait"][-n:]), "gpu_span_ms": med(span), "gpu_gap_ms": med(gap)}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "int4")
