@@ -28,7 +28,7 @@ from kiln.kernels.launch import (
     scale_args,
 )
 from kiln.kernels.pdl import launch_kwargs, pdl_start
-from kiln.kernels.rotary import _rotate_heads
+from kiln.kernels.rotary import _cos_sin, _rotate_heads
 
 __all__ = ["reshape_and_cache", "rotary_and_cache"]
 
@@ -176,30 +176,15 @@ def _rotary_cache_kernel(
 ):
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    dmask = d < half
-    cos1 = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(tl.float32)
-    sin1 = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, half, cos1, sin1, BLOCK_HQ, BLOCK_HALF)
-    cos = cos1[None, :]
-    sin = sin1[None, :]
-    # keys: rotate in registers, store in place (the caller's k) and into the cache
-    h = tl.arange(0, BLOCK_H)
-    mask = (h[:, None] < num_heads) & dmask[None, :]
-    p1 = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + half, mask=mask, other=0.0)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    y1 = (x1f * cos - x2f * sin).to(x1.dtype)
-    y2 = (x2f * cos + x1f * sin).to(x1.dtype)
-    tl.store(p1, y1, mask=mask)
-    tl.store(p1 + half, y2, mask=mask)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, half, BLOCK_HALF)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, half, cos, sin, BLOCK_HQ, BLOCK_HALF)
+    # keys: rotated in place (the caller's k), and the rotated halves from registers into the cache
+    y1, y2, h, mask = _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_heads, half, cos, sin, BLOCK_H, BLOCK_HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         blk = slot // block_size
         off = slot % block_size
+        d = tl.arange(0, BLOCK_HALF)
         c1 = k_cache_ptr + blk * stride_kcb + off * stride_kco + h[:, None] * stride_kch + d[None, :]
         dt = k_cache_ptr.dtype.element_ty
         tl.store(c1, _to_cache(y1.to(tl.float32), k_scale_ptr, k_scale_stride, k_scale_val, h, num_heads, dt,

@@ -20,7 +20,21 @@ __all__ = ["rotary_embedding"]
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cs_ptr, t, stride_cs, half, BLOCK_D: tl.constexpr):
+    """float32 ``cos``, ``sin`` [BLOCK_D] of token ``t``'s position (the halves of its
+    ``cos_sin_cache`` row; lanes past ``half`` read 0)."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_h, num_heads, half, cos, sin, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one token's heads in place; returns the rotated halves ``y1``, ``y2`` [BLOCK_H,
+    BLOCK_D] (x's dtype), the head indices [BLOCK_H] and the [BLOCK_H, BLOCK_D] mask."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < num_heads) & (d[None, :] < half)
@@ -29,8 +43,11 @@ def _rotate_heads(x_ptr, stride_h, num_heads, half, cos, sin, BLOCK_H: tl.conste
     x2 = tl.load(p1 + half, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(p1, (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(p1 + half, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=mask)
+    y1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
+    y2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p1 + half, y2, mask=mask)
+    return y1, y2, h, mask
 
 
 @triton.jit
@@ -42,11 +59,7 @@ def _rotary_kernel(
 ):
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < half
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, half, BLOCK_D)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, half, cos, sin, BLOCK_HQ, BLOCK_D)
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, half, cos, sin, BLOCK_HK, BLOCK_D)
 
