@@ -423,3 +423,24 @@ def test_sigterm_removes_the_unfinished_engine(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "terminated" in err
     assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_engine_build_limit_caps_the_served_context(tiny_model, tmp_path):
+    """An engine built with --max-seq-len L serves at most L tokens of context: the default
+    max_model_len is capped to L, a larger explicit one is refused, a longer prompt is a
+    request error."""
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.build import build_engine
+    from kiln.runtime.engine import InvalidRequestError
+    from kiln.runtime.enginespec import BuildSpec
+
+    path = build_engine(BuildSpec.from_cli(str(tiny_model), max_seq_len=64), str(tiny_model), tmp_path / "e",
+                        device="cpu").path
+    llm = LLM(engine=str(path), device="cpu", num_kv_blocks=32)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(InvalidRequestError, match="64"):
+        llm.generate([[5] * 80], SamplingParams(max_tokens=2))
+    assert len(llm.generate([[5] * 20], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="build limit"):
+        LLM(engine=str(path), device="cpu", num_kv_blocks=32, max_model_len=128)
+    assert LLM(engine=str(path), device="cpu", num_kv_blocks=32, max_model_len=48).engine.max_model_len == 48

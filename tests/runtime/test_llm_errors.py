@@ -88,3 +88,45 @@ def test_min_tokens_beyond_the_context_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="min_tokens .1000. is more than the 510 tokens"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=None, min_tokens=1000))
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"logprobs": 1.5}, "logprobs must be an integer"), ({"logprobs": "3"}, "logprobs must be an integer"),
+    ({"logprobs": True}, "logprobs must be an integer"), ({"stop": [1]}, "stop must be"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be"), ({"logit_bias": [1]}, "logit_bias must be a dict"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False"), ({"detokenize": 0}, "detokenize must be"),
+])
+def test_sampling_params_types(kwargs, match):
+    """Wrongly typed settings fail when the SamplingParams is made, not inside a step."""
+    from kiln.runtime import SamplingParams
+
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_failing_step_aborts_the_call_and_frees_its_blocks(llm, monkeypatch):
+    """A step that raises (any runtime error) ends the generate call with that error, aborts its
+    requests and frees their KV blocks: the LLM keeps serving."""
+    from kiln.runtime import SamplingParams
+
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate(["a"], [None])
+    runner = llm.engine.runner
+    free = llm.engine.scheduler.kv_cache_manager.num_free_blocks
+    orig = runner.execute
+    calls = {"n": 0}
+
+    def flaky(out, rows):
+        calls["n"] += 1
+        if calls["n"] == 3:  # fail mid-generation, with blocks allocated
+            raise RuntimeError("injected device error")
+        return orig(out, rows)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[1, 2, 3] * 20, [4, 5]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache_manager.num_free_blocks == free
+    monkeypatch.setattr(runner, "execute", orig)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

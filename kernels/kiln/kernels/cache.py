@@ -218,7 +218,10 @@ def rotary_and_cache(
     Args: as the two functions (``q``, ``k``, ``v``: float16/bfloat16/float32 ``[T, H, D]``
         with the last dim contiguous, e.g. views of a fused QKV output; ``D`` even; caches in
         the model dtype or float8_e4m3fn; ``-1`` slots are not written, their q and k are
-        still rotated).
+        still rotated).  As for the two kernels, positions must be in ``[0, max_position)`` and
+        slots below ``num_blocks * block_size``: not checked (that would need a host sync; the
+        model runner derives both from the block tables), an index out of range reads or
+        writes outside the tensors.
     Raises:
         ValueError: bad shapes, dtypes, devices or strides.
     """

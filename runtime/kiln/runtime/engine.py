@@ -115,12 +115,19 @@ class LLMEngine:
         self.stat_logger = stat_logger
         self._max_token_chars: int | None = None  # longest vocabulary entry (characters), lazily
         t0 = time.perf_counter()
+        engine_limit = 0  # an engine's build max_seq_len (tokens)
         if args.engine:
             from .engine_format import open_engine  # noqa: PLC0415  (kiln build's output)
 
             eng = open_engine(args.engine)
             self.model_config: ModelConfig = eng.model_config
             _check_max_model_len(args, self.model_config)
+            # the engine's build limit (TensorRT-LLM's max_seq_len): serve at most that context
+            engine_limit = int((eng.manifest.get("limits") or {}).get("max_seq_len") or 0)
+            if engine_limit and args.max_model_len and args.max_model_len > engine_limit:
+                raise ValueError(f"max_model_len {args.max_model_len} is larger than the engine's build limit "
+                                 f"({engine_limit} tokens, build max_seq_len / build.maxSeqLen); rebuild with a "
+                                 f"larger --max-seq-len or serve a shorter context")
             self.tokenizer = eng.load_tokenizer()
             self.model_ref = eng.model_ref
             self.runner = ModelRunner(self.model_config, args)
@@ -139,6 +146,8 @@ class LLMEngine:
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096),
                                  cfg.max_position_embeddings)
+        if args.engine and engine_limit:
+            self.max_model_len = min(self.max_model_len, engine_limit)
         num_blocks = self.runner.profile_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if args.kernel_warmup:

@@ -37,8 +37,8 @@ class LLM:
 
         Args:
             prompts: one string, a list of strings, or a list of token-id lists.
-            sampling_params: one for all prompts, or one per prompt (default: greedy? no —
-                SamplingParams() defaults, temperature 1.0, 16 tokens, as in vLLM).
+            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``,
+                temperature 1.0 and 16 tokens, as in vLLM).
         Returns:
             One finished RequestOutput per prompt, in input order.
         Raises:
@@ -66,6 +66,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if not all(isinstance(sp, SamplingParams) for sp in params):
+            bad = next(sp for sp in params if not isinstance(sp, SamplingParams))
+            raise TypeError(f"each sampling_params entry must be SamplingParams, got {type(bad).__name__}")
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):
@@ -100,9 +103,18 @@ class LLM:
         return self.generate(token_lists, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
+        """Step the engine until every request finished; if a step raises, this call's requests
+        still in the engine are aborted (their KV blocks freed) before the error propagates, so
+        the ``LLM`` stays usable."""
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort_request(rid)
+            raise
         return [final[i] for i in ids]

@@ -88,12 +88,22 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
-        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+        if self.stop is not None and (not isinstance(self.stop, (str, list, tuple)) or (
+                not isinstance(self.stop, str) and not all(isinstance(s, str) for s in self.stop))):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name, False), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)):
+            raise ValueError(f"logprobs must be an integer (top log-probabilities per token), got {self.logprobs!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict {{token_id: bias}}, got {self.logit_bias!r}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
