@@ -211,6 +211,19 @@ def test_invalid_spec_is_degraded_not_crashing(kube, rec):
     assert cond(ie(kube), "Degraded")["reason"] == "InvalidSpec"
 
 
+def test_model_len_above_the_build_limit_is_invalid(kube, rec):
+    """runtime.maxModelLen > build.maxSeqLen would crash every pod at start (the runtime refuses
+    to serve past an engine's build limit): a Degraded / InvalidSpec condition instead."""
+    make_ie(kube, {**SPEC, "build": {**SPEC.get("build", {}), "maxSeqLen": 1024}, "runtime": {"maxModelLen": 2048}})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED and out.hash is None
+    d = cond(ie(kube), "Degraded")
+    assert d["reason"] == "InvalidSpec" and "maxModelLen 2048" in d["message"]
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+    make_ie(kube, {**SPEC, "build": {**SPEC.get("build", {}), "maxSeqLen": 1024}, "runtime": {"maxModelLen": 1024}})
+    assert rec.reconcile(ie(kube)).hash is not None
+
+
 def test_missing_existing_claim_degrades(kube, rec):
     make_ie(kube, {**SPEC, "storage": {"claimName": "mine", "create": False}})
     out = rec.reconcile(ie(kube))

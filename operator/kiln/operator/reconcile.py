@@ -131,6 +131,10 @@ class Reconciler:
 
         try:
             bs = BuildSpec.from_dict(spec)
+            mml = (spec.get("runtime") or {}).get("maxModelLen")
+            if isinstance(mml, int) and not isinstance(mml, bool) and mml > bs.max_seq_len:
+                raise EngineSpecError(f"runtime.maxModelLen {mml} is larger than build.maxSeqLen {bs.max_seq_len}: "
+                                      f"an engine serves at most the context it was built for")
         except EngineSpecError as e:
             status.update(phase=c.PHASE_DEGRADED, replicas=0, readyReplicas=0)
             status["conditions"] = cond.merge_conditions(old_status.get("conditions"), [
