@@ -8,6 +8,7 @@ kernel                      module                         reference
 ==========================  =============================  ===============================
 ``paged_attention``         ``attention``                  ``paged_attention_ref``
 ``reshape_and_cache``       ``cache``                      ``reshape_and_cache_ref``
+``rotary_and_cache``        ``cache``                      rotary ref, then cache ref
 ``rms_norm``                ``norm``                       ``rms_norm_ref``
 ``fused_add_rms_norm``      ``norm``                       ``fused_add_rms_norm_ref``
 ``rotary_embedding``        ``rotary``                     ``rotary_embedding_ref``
@@ -37,7 +38,7 @@ from kiln.kernels.reference import (  # noqa: F401,E402
 )
 from kiln.kernels.activation import silu_and_mul  # noqa: F401
 from kiln.kernels.attention import paged_attention  # noqa: F401
-from kiln.kernels.cache import reshape_and_cache  # noqa: F401
+from kiln.kernels.cache import reshape_and_cache, rotary_and_cache  # noqa: F401
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: F401
 from kiln.kernels.rotary import rotary_embedding  # noqa: F401
 
@@ -52,6 +53,7 @@ __all__ = [
     "reshape_and_cache_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rotary_and_cache",
     "rotary_embedding",
     "rotary_embedding_ref",
     "silu_and_mul",

@@ -19,7 +19,7 @@ def _kernels():
         import kiln.kernels as k  # noqa: PLC0415
     except Exception:  # pragma: no cover
         return None
-    return k if hasattr(k, "paged_attention") and hasattr(k, "reshape_and_cache") else None
+    return k if all(hasattr(k, n) for n in ("paged_attention", "reshape_and_cache", "rotary_and_cache")) else None
 
 
 # Rotary embedding and KV-cache write in one kernel on CUDA (``kiln.kernels.cache.
@@ -35,9 +35,7 @@ def rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slo
     kern = _kernels() if q.is_cuda and FUSED_ROPE_KV else None
     if kern is None:
         return False
-    from kiln.kernels.cache import rotary_and_cache  # noqa: PLC0415
-
-    rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    kern.rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return True
 
 
