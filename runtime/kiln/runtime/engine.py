@@ -146,7 +146,7 @@ class LLMEngine:
         cfg = self.model_config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096),
                                  cfg.max_position_embeddings)
-        if args.engine and engine_limit:
+        if engine_limit:
             self.max_model_len = min(self.max_model_len, engine_limit)
         num_blocks = self.runner.profile_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)

@@ -66,9 +66,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        if not all(isinstance(sp, SamplingParams) for sp in params):
-            bad = next(sp for sp in params if not isinstance(sp, SamplingParams))
-            raise TypeError(f"each sampling_params entry must be SamplingParams, got {type(bad).__name__}")
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"each sampling_params entry must be SamplingParams, got {type(sp).__name__}")
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):

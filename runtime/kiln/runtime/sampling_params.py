@@ -98,7 +98,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
-            if not isinstance(getattr(self, name, False), bool):
+            if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)):
             raise ValueError(f"logprobs must be an integer (top log-probabilities per token), got {self.logprobs!r}")
