@@ -76,6 +76,8 @@ def test_warmup_forwards_write_nothing(tmp_path):
     steps = runner.warmup_steps(20, 64)
     assert steps and all(sum(q for _, q in r) <= 20 and max(c + q for c, q in r) <= 64 for r in steps)
     assert any(len(r) > 1 and r[0][1] == 1 and r[-1][1] > 1 for r in steps)  # a mixed decode + prefill step
+    few = runner.warmup_steps(20, 64, max_num_seqs=1)  # a step of 2 sequences cannot happen then
+    assert few and all(len(r) == 1 for r in few) and [r for r in steps if len(r) == 1] == few
     for k, v in runner.kv_caches:
         k.normal_()
         v.normal_()

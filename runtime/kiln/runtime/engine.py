@@ -151,7 +151,7 @@ class LLMEngine:
         num_blocks = self.runner.profile_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if args.kernel_warmup:
-            self.runner.warmup_kernels(args.max_num_batched_tokens, self.max_model_len)
+            self.runner.warmup_kernels(args.max_num_batched_tokens, self.max_model_len, args.max_num_seqs)
         self.runner.capture_cuda_graphs(self.max_model_len)
         # asynchronous scheduling pays only where the forward pass runs on a device stream
         self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None

@@ -309,7 +309,8 @@ class ModelRunner:
     WARMUP_LINEAR_MAX_M = 64
 
     @torch.inference_mode()
-    def warmup_kernels(self, max_tokens: int | None = None, max_model_len: int | None = None) -> list[str]:
+    def warmup_kernels(self, max_tokens: int | None = None, max_model_len: int | None = None,
+                       max_num_seqs: int | None = None) -> list[str]:
         """Compile the Triton kernel variants that serving steps reach, before the first request.
 
         Triton compiles a kernel on its first launch per specialization (the launch config a
@@ -330,6 +331,8 @@ class ModelRunner:
         Args:
             max_tokens: the step token budget (``max_num_batched_tokens``); default 2048.
             max_model_len: longest context of a synthetic sequence (tokens); default no limit.
+            max_num_seqs: most sequences in a synthetic step (steps with more cannot happen
+                while serving, so their kernel variants are not compiled); default no limit.
         Returns:
             The kernel variants compiled (``"module:name"`` per compile).
         """
@@ -359,17 +362,18 @@ class ModelRunner:
             hidden = self.model_config.hidden_size
             for m in range(1, 10):
                 self.model.compute_logits(torch.zeros(m, hidden, device=dev, dtype=dt))
-            for rows in self.warmup_steps(max_tokens, max_model_len):
+            for rows in self.warmup_steps(max_tokens, max_model_len, max_num_seqs):
                 self._warmup_forward(rows)
         torch.cuda.synchronize()
         log.info("kernel warm-up: %d Triton kernel variants compiled (or loaded from the disk cache) in %.1fs",
                  len(compiled), time.perf_counter() - t0)
         return list(compiled)
 
-    def warmup_steps(self, max_tokens: int, max_model_len: int | None = None) -> list[list[tuple[int, int]]]:
+    def warmup_steps(self, max_tokens: int, max_model_len: int | None = None,
+                     max_num_seqs: int | None = None) -> list[list[tuple[int, int]]]:
         """The synthetic steps of the warm-up: per step, ``(context before the step, new
-        tokens)`` per sequence, decodes first, at most ``max_tokens`` new tokens and
-        ``max_model_len`` context (tokens)."""
+        tokens)`` per sequence, decodes first, at most ``max_tokens`` new tokens,
+        ``max_model_len`` context (tokens) and ``max_num_seqs`` sequences."""
         steps = [[(0, t)] for t in self.WARMUP_PREFILL_TOKENS]
         steps += [[(16, 17)], [(33, 16)], [(0, 17), (0, 16)], [(20, 1), (7, 9)]]
         # Decode contexts that reach each flash-decoding split count (``decode_num_splits``:
@@ -379,7 +383,8 @@ class ModelRunner:
             steps += [[(c, 1)], [(c, 1), (c // 2, 1)], [(c, 1)] * 3, [(c, 1)] * 16, [(c, 1)] * 17,
                       [(c, 1), (0, 17)], [(c, 1), (c // 2, 1), (0, 16)]]
         return [rows for rows in steps if sum(q for _, q in rows) <= max_tokens
-                and (max_model_len is None or max(c + q for c, q in rows) <= max_model_len)]
+                and (max_model_len is None or max(c + q for c, q in rows) <= max_model_len)
+                and (max_num_seqs is None or len(rows) <= max_num_seqs)]
 
     def _warmup_forward(self, rows: list[tuple[int, int]]) -> None:
         """One eager forward (and LM head) over synthetic sequences ``(context, new_tokens)``
