@@ -97,9 +97,20 @@ def test_200_concurrent_streams_with_disconnects():
         stop_server(server)
 
 
-def test_api_key():
-    server = start_server("--max-num-seqs", "4", api_key="s3cret")
+def test_api_key_and_served_model_name():
+    server = start_server("--max-num-seqs", "4", "--served-model-name", "team-llm", api_key="s3cret")
+    auth = {"Authorization": "Bearer s3cret"}
     try:
+        # --served-model-name replaces the source's name (as in vLLM): only it is listed and accepted
+        models = httpx.get(f"{server.v1}/models", headers=auth, timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["team-llm"]
+        r = httpx.post(f"{server.v1}/completions", json={"prompt": "Hi", "max_tokens": 1, "model": "team-llm"},
+                       headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "team-llm", r.text
+        r = httpx.post(f"{server.v1}/completions", headers=auth, timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 1, "model": "builtin:smollm2-135m-instruct"})  # the source
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert "team-llm" in r.json()["error"]["message"]
         body = {"prompt": "Hi", "max_tokens": 2}
         assert httpx.post(f"{server.v1}/completions", json=body).status_code == 401
         r = httpx.post(f"{server.v1}/completions", json=body, headers={"Authorization": "Bearer wrong"})

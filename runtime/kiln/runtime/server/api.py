@@ -121,7 +121,7 @@ def build_app(engine: LLMEngine, api_key: str | None = None, warmup: bool = True
     token_text = _TokenText(engine.tokenizer)
     engine.stat_logger = metrics
     aengine = AsyncEngine(engine)
-    model_names = {engine.served_model_name, engine.model_ref}
+    model_names = {engine.served_model_name}  # as vLLM: --served-model-name replaces the source name
     created = int(time.time())
 
     # Refresh gauges after every step.
