@@ -390,13 +390,16 @@ def test_eval_agreement(tiny_engines, tmp_path):
     assert 0.0 <= r["teacher_forced_top1"] <= 1.0 and 0.0 <= r["greedy_token_agreement"] <= 1.0
 
 
-def test_kiln_cli_wiring(tiny_model, tmp_path, capsys):
+def test_kiln_cli_wiring(tiny_model, tmp_path, capsys, monkeypatch):
     from kiln.runtime.cli import main
 
     out = tmp_path / "eng"
+    shared = tmp_path / ".compile-cache"  # what the operator's build Job names
+    monkeypatch.setenv("KILN_COMPILE_CACHE_DIR", str(shared))
     assert main(["build", "--model", str(tiny_model), "--output", str(out), "--quantization", "fp8",
                  "--device", "cpu"]) == 0
     assert str(out) in capsys.readouterr().out
+    assert shared.is_dir() and shared.stat().st_mode & 0o7777 == 0o2775  # the pods' group may write
     assert main(["eval", "perplexity", "--engine", str(out), "--text", str(tiny_model / "config.json")]) == 0
     assert "perplexity" in capsys.readouterr().out
 

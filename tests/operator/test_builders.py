@@ -147,3 +147,33 @@ def test_build_job_args_are_kiln_builds_flags_and_give_the_operators_hash():
                                  max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
                                  checksum=a.source_checksum)
         assert got.hash() == h and a.output == f"/engines/{h}"
+
+
+def test_serving_pods_keep_the_triton_cache_on_the_engine_claim():
+    d = b.deployment(SPEC, H, OWNER, replicas=1)
+    pod = d["spec"]["template"]["spec"]
+    ctr = container(d)
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["engines"]["persistentVolumeClaim"]["readOnly"] is False  # the mounts decide
+    mounts = {m["mountPath"]: m for m in ctr["volumeMounts"]}
+    assert mounts["/engines"]["readOnly"] is True  # engines stay read-only for the server
+    cache = mounts[c.COMPILE_CACHE_MOUNT]
+    assert cache["name"] == "engines" and cache["subPath"] == c.COMPILE_CACHE_SUBPATH and not cache.get("readOnly")
+    env = {e["name"]: e["value"] for e in ctr["env"]}
+    assert env["TRITON_CACHE_DIR"] == f"{c.COMPILE_CACHE_MOUNT}/triton"
+    # the build Job creates the folder as the pods' user (kiln.runtime.compile_cache)
+    job_env = {e["name"]: e.get("value") for e in container(b.build_job(SPEC, H, OWNER))["env"]}
+    assert job_env["KILN_COMPILE_CACHE_DIR"] == f"/engines/{c.COMPILE_CACHE_SUBPATH}"
+
+    off = copy.deepcopy(SPEC)
+    off["runtime"]["compileCache"] = False
+    d = b.deployment(off, H, OWNER, replicas=1)
+    assert {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}["engines"][
+        "persistentVolumeClaim"]["readOnly"] is True
+    assert c.COMPILE_CACHE_MOUNT not in {m["mountPath"] for m in container(d)["volumeMounts"]}
+    assert "TRITON_CACHE_DIR" not in {e["name"] for e in container(d)["env"]}
+
+    own = copy.deepcopy(SPEC)
+    own["runtime"]["env"] = [{"name": "TRITON_CACHE_DIR", "value": "/tmp/mine"}]
+    env = [e for e in container(b.deployment(own, H, OWNER, replicas=1))["env"] if e["name"] == "TRITON_CACHE_DIR"]
+    assert env == [{"name": "TRITON_CACHE_DIR", "value": "/tmp/mine"}]  # the user's own setting wins, once

@@ -114,6 +114,12 @@ def storage(spec: Mapping[str, Any]) -> Obj:
     return s
 
 
+def compile_cache(spec: Mapping[str, Any]) -> bool:
+    """``spec.runtime.compileCache`` (default true): the serving pods keep Triton's kernel
+    cache on the engine cache claim (``kiln.runtime.compile_cache``)."""
+    return bool((spec.get("runtime") or {}).get("compileCache", True))
+
+
 def autoscaling(spec: Mapping[str, Any]) -> Obj:
     """``spec.autoscaling`` with defaults filled."""
     a = dict(spec.get("autoscaling") or {})
@@ -217,7 +223,11 @@ def build_job(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any],
         {"name": "tmp", "emptyDir": {}},
     ]
     env: list[Obj] = [{"name": "HOME", "value": c.TMP_MOUNT},
-                      {"name": "KILN_ENGINE_HASH", "value": hash_}]
+                      {"name": "KILN_ENGINE_HASH", "value": hash_},
+                      # kiln build creates the serving pods' shared compile cache folder (as the
+                      # pods' user: a folder the kubelet makes for a subPath would be root's)
+                      {"name": "KILN_COMPILE_CACHE_DIR",
+                       "value": f"{c.DEFAULT_CACHE_ROOT}/{c.COMPILE_CACHE_SUBPATH}"}]
     if model.get("pvc"):
         mounts.append({"name": "model", "mountPath": c.MODELS_MOUNT, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {
@@ -281,7 +291,9 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
     ``replicas=None`` leaves ``spec.replicas`` out so an HPA owns it.  The engine hash is a
     pod-template label, so a new engine rolls the pods and an unchanged spec never does.
     Probes: startup and readiness on ``/ready`` (startup budget from
-    ``rollout.startupTimeoutSeconds``), liveness on ``/health``.
+    ``rollout.startupTimeoutSeconds``), liveness on ``/health``.  The engine claim is mounted
+    read-only at ``/engines``; with ``runtime.compileCache`` (default) its ``.compile-cache``
+    folder is also mounted read-write as ``TRITON_CACHE_DIR``'s parent.
     """
     rt = spec.get("runtime") or {}
     res = spec.get("resources") or {}
@@ -291,7 +303,16 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
     startup_budget = int(rollout.get("startupTimeoutSeconds", 1800))
     period = 10
     env = [{"name": "HOME", "value": c.TMP_MOUNT}, {"name": "KILN_ENGINE_HASH", "value": hash_}]
-    env += [{"name": e["name"], "value": str(e.get("value", ""))} for e in rt.get("env") or []]
+    user_env = [{"name": e["name"], "value": str(e.get("value", ""))} for e in rt.get("env") or []]
+    mounts: list[Obj] = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT, "readOnly": True},
+                         {"name": "tmp", "mountPath": c.TMP_MOUNT},
+                         {"name": "dshm", "mountPath": "/dev/shm"}]
+    if compile_cache(spec):
+        # Triton's kernel cache on the claim: later pods (rollouts, scale-ups) skip the compiles
+        mounts.append({"name": "engines", "mountPath": c.COMPILE_CACHE_MOUNT, "subPath": c.COMPILE_CACHE_SUBPATH})
+        if not any(e["name"] == "TRITON_CACHE_DIR" for e in user_env):
+            env.append({"name": "TRITON_CACHE_DIR", "value": f"{c.COMPILE_CACHE_MOUNT}/triton"})
+    env += user_env
     container: Obj = {
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
         "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
@@ -304,9 +325,7 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
                            "failureThreshold": 3, "timeoutSeconds": 5},
         "livenessProbe": {"httpGet": {"path": c.HEALTH_PATH, "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6, "timeoutSeconds": 5},
-        "volumeMounts": [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT, "readOnly": True},
-                         {"name": "tmp", "mountPath": c.TMP_MOUNT},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": mounts,
         "securityContext": _container_security(),
     }
     resources = _resources(res, gpus * tp, res.get("gpuResourceName", "nvidia.com/gpu"))
@@ -325,7 +344,9 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
                      "terminationGracePeriodSeconds": 60, "enableServiceLinks": False,
                      "volumes": [
                          {"name": "engines", "persistentVolumeClaim": {
-                             "claimName": storage(spec)["claimName"], "readOnly": True}},
+                             "claimName": storage(spec)["claimName"],
+                             # read-only unless the compile cache needs its one writable subPath
+                             "readOnly": not compile_cache(spec)}},
                          {"name": "tmp", "emptyDir": {}},
                          {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
                      **_pod_placement(spec)},

@@ -43,6 +43,10 @@ COMPONENT_RECORD = "engine-record"
 CONTAINER_NAME = "kiln"
 MODELS_MOUNT = "/models"  # where a model source claim (spec.model.pvc) is mounted
 TMP_MOUNT = "/tmp"  # writable scratch (the root filesystem is read-only)
+# The serving pods' Triton kernel cache: a folder on the engine cache claim (created by the
+# build Job, kiln.runtime.compile_cache), mounted read-write there.
+COMPILE_CACHE_SUBPATH = ".compile-cache"
+COMPILE_CACHE_MOUNT = "/var/cache/kiln"
 
 HPA_METRIC_NAME = METRIC_REQUEST_QUEUE_TIME  # pods metric served by prometheus-adapter
 

@@ -74,6 +74,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
     check_can_listen(ns.host, ns.port)
+    from .compile_cache import ensure_writable_cache_dir  # noqa: PLC0415
+
+    ensure_writable_cache_dir()  # before the first Triton compile (the warm-up)
 
     import uvicorn  # noqa: PLC0415
 
