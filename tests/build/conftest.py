@@ -81,6 +81,8 @@ def tiny_engines(tmp_path_factory, tiny_model):
         "int4-awq": dict(quantization="int4-awq", group_size=32),
         "int4-gptq": dict(quantization="int4-gptq", group_size=32),
         "kv-fp8": dict(kv_cache_dtype="fp8"),
+        "int4-awq-lm-head": dict(quantization="int4-awq", group_size=32, quantize_lm_head=True),
+        "int4-gptq-lm-head": dict(quantization="int4-gptq", group_size=32, quantize_lm_head=True),
     }
     out = {}
     for name, kw in specs.items():

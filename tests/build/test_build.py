@@ -18,7 +18,8 @@ from kiln.runtime.build import BadInputError, BuildError, add_build_args, build_
 from kiln.runtime.engine_format import EngineFormatError, manifest_digest, open_engine
 from kiln.runtime.enginespec import COMPLETE_MARKER, MANIFEST_FILENAME, BuildSpec, engine_hash
 
-METHODS = ["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq", "kv-fp8"]
+METHODS = ["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq", "kv-fp8", "int4-awq-lm-head",
+           "int4-gptq-lm-head"]
 
 
 def cli(*argv: str) -> int:
@@ -72,7 +73,8 @@ def test_engine_serves_without_source(tiny_engines, tiny_model, tmp_path, name):
         got, top = score_windows(eng, ids, 64, want_argmax=True)
     finally:
         shutil.move(str(hidden), tiny_model)
-    bound = {"none": 1e-6, "fp8": 0.05, "int8-smoothquant": 0.05, "int4-awq": 0.2, "int4-gptq": 0.2, "kv-fp8": 0.05}
+    bound = {"none": 1e-6, "fp8": 0.05, "int8-smoothquant": 0.05, "int4-awq": 0.2, "int4-gptq": 0.2, "kv-fp8": 0.05,
+             "int4-awq-lm-head": 0.25, "int4-gptq-lm-head": 0.25}
     assert abs(got.nll - ref.nll) / ref.nll < bound[name]
     if name == "none":
         assert torch.equal(top, ref_top)
@@ -84,6 +86,48 @@ def test_llm_generate_from_engine(tiny_engines):
     llm = LLM(engine=str(tiny_engines["int4-awq"]), device="cpu", num_kv_blocks=64)
     out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("method", ["int4-awq", "int4-gptq"])
+def test_quantized_lm_head(tiny_engines, method):
+    """--quantize-lm-head stores the head as int4 (the tied embedding table stays float and
+    untouched), records it in the manifest and the hash, and the runtime serves the head with
+    the int4 method."""
+    from safetensors import safe_open
+
+    from kiln.runtime.eval import open_model
+    from kiln.runtime.quantization.int4 import Int4LinearMethod
+
+    plain, quant = open_engine(tiny_engines[method]), open_engine(tiny_engines[f"{method}-lm-head"])
+    assert quant.manifest["quantization"]["lm_head"] is True and "lm_head" not in plain.manifest["quantization"]
+    assert quant.manifest["build_spec"]["quantization"]["lm_head"] is True
+    assert quant.manifest["engine_hash"] != plain.manifest["engine_hash"]
+
+    def tensors(eng):
+        out = {}
+        for f in eng.weight_files():
+            with safe_open(str(f), framework="pt") as sf:
+                out.update({n: sf.get_tensor(n) for n in sf.keys()})
+        return out
+
+    tq, tp = tensors(quant), tensors(plain)
+    assert {"lm_head.qweight", "lm_head.scales", "lm_head.qzeros"} <= set(tq) and "lm_head.weight" not in tq
+    assert not any(n.startswith("lm_head.") for n in tp)  # tied: the plain engine stores no head
+    assert torch.equal(tq["model.embed_tokens.weight"], tp["model.embed_tokens.weight"])  # the lookup table
+    assert tq["lm_head.qweight"].shape == (64 // 8, 49152) and tq["lm_head.scales"].shape == (64 // 32, 49152)
+
+    eng = open_model(engine=str(tiny_engines[f"{method}-lm-head"]), window=32)
+    head = eng.runner.model.lm_head
+    assert isinstance(head.quant_method, Int4LinearMethod) and "weight" not in head._parameters
+    logits = eng.runner.model.compute_logits(torch.randn(3, 64))
+    assert logits.dtype == torch.float32 and logits.shape == (3, 49152)
+
+
+def test_quantize_lm_head_flag_needs_an_int4_method(tmp_path, capsys):
+    assert cli("--model", "builtin:smollm2-135m-instruct", "--output", str(tmp_path / "e"), "--quantization", "fp8",
+               "--quantize-lm-head") == 2
+    assert "--quantize-lm-head applies only to int4-awq and int4-gptq" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
 
 
 def test_kv_fp8_engine_uses_fp8_cache(tiny_engines):

@@ -40,6 +40,31 @@ def test_matches_reference(dtype, M, N, K, G):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("kernel,bm,split", [("gemv2", 1, 1), ("gemv2", 2, 2), ("gemv", 2, 1), ("mma", 16, 2),
+                                             ("dequant", 16, 1)])
+def test_float32_output(kernel, bm, split):
+    """``out_dtype=torch.float32`` (a quantized LM head's logits): every kernel stores its float32
+    accumulators unrounded, equal to the reference to float32 precision, not x's dtype's."""
+    if kernel == "dequant" and not HAS_CUDA:
+        pytest.skip("the dequant path's kernel runs on CUDA (cuBLAS after it)")
+    M, N, K, G = min(bm, 2) + 1 if kernel == "mma" else bm, 96, 256, 64
+    qw, s, z = make_weight(N, K, G, seed=3)
+    x = torch.randn(M, K, device=DEVICE).half()
+    cfg = {"KERNEL": kernel, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 1,
+           "num_stages": 1, "CHAIN": 8}
+    out = w4a16_gemm(x, qw, s, z, config=cfg, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (M, N)
+    ref = w4a16_ref(x.float(), qw, s, z)  # float32 math and result
+    half = w4a16_gemm(x, qw, s, z, config=cfg)
+    assert half.dtype == torch.float16
+    # gemv2 rounds products to float16 (its documented ~1e-3), mma and dequant the weights (~1e-4);
+    # the float32 GEMV is exact, so there the float32 output must beat the float16 one
+    assert rel_err(out, ref) < {"gemv": 1e-5, "mma": 1e-3}.get(kernel, 2e-3)
+    assert kernel != "gemv" or rel_err(out, ref) < rel_err(half, ref) / 10
+    with pytest.raises(ValueError, match="out_dtype"):
+        w4a16_gemm(x, qw, s, z, out_dtype=torch.int32)
+
+
 @pytest.mark.parametrize("kernel", ["gemv", "mma"])
 @pytest.mark.parametrize("split,bk,G", [(1, 64, 64), (2, 64, 128), (3, 128, 128), (4, 128, 32), (2, 128, 64)])
 def test_kernels_split_k_and_strided_input(kernel, split, bk, G):

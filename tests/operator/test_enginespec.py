@@ -26,7 +26,7 @@ def test_hash_is_hex_of_fixed_length_and_deterministic():
     dict(es.BUILD_DEFAULTS),  # every default written out
     {"maxSeqLen": "4096", "calibrationSamples": 128.0},  # numeric spellings
     {"quantization": "NONE", "kvCacheDtype": "AUTO"},  # case
-    {"groupSize": 64, "smoothquantAlpha": "0.9"},  # knobs that method "none" ignores
+    {"groupSize": 64, "smoothquantAlpha": "0.9", "quantizeLmHead": True},  # knobs that method "none" ignores
     {"quantization": None, "groupSize": None},  # null = default
 ])
 def test_equivalent_spellings_of_the_default_give_one_hash(build):
@@ -50,19 +50,23 @@ def test_settings_a_method_ignores_do_not_change_its_hash():
     assert h({"quantization": "int4-awq", "groupSize": 64}) != h({"quantization": "int4-awq"})
     assert h({"quantization": "int4-awq", "calibrationSamples": 7}) != h({"quantization": "int4-awq"})
     assert h({"kvCacheDtype": "fp8", "calibrationSamples": 7}) != h({"kvCacheDtype": "fp8"})
+    assert h({"quantization": "fp8", "quantizeLmHead": True}) == h({"quantization": "fp8"})
+    assert h({"quantization": "int4-awq", "quantizeLmHead": False}) == h({"quantization": "int4-awq"})
+    assert h({"quantization": "int4-gptq", "quantizeLmHead": True}) != h({"quantization": "int4-gptq"})
 
 
 def test_every_hashed_field_changes_the_hash():
     seen = {h({})}
     for build in [{"quantization": "fp8"}, {"quantization": "int4-awq"}, {"quantization": "int4-gptq"},
                   {"quantization": "int8-smoothquant"}, {"kvCacheDtype": "fp8"}, {"maxSeqLen": 2048},
+                  {"quantization": "int4-awq", "quantizeLmHead": True},
                   {"maxBatchSize": 8}, {"maxNumTokens": 4096}]:
         seen.add(h(build))
     seen.add(h(model={"pvc": {"claimName": "models", "path": "llama"}}))
     seen.add(h(model={"huggingFace": {"repo": "org/m", "revision": "abc"}}))
     seen.add(h(model={"huggingFace": {"repo": "org/m", "revision": "def"}}))
     seen.add(h(model={"builtin": "smollm2-135m-instruct", "checksum": "sha256:" + "0" * 64}))
-    assert len(seen) == 13
+    assert len(seen) == 14
 
 
 def test_fields_outside_the_build_do_not_change_the_hash():
@@ -98,6 +102,7 @@ def test_normalized_form_is_canonical_json_without_floats():
     ({"model": SMOL, "build": {"smoothquantAlpha": "1.5"}}, "[0, 1]"),
     ({"model": SMOL, "build": {"maxSeqLen": 0}}, "maxSeqLen"),
     ({"model": SMOL, "build": {"kvCacheDtype": "int8"}}, "kvCacheDtype"),
+    ({"model": SMOL, "build": {"quantization": "int4-awq", "quantizeLmHead": "yes"}}, "quantizeLmHead"),
     ({"model": {"pvc": {"path": "x"}}}, "claimName"),
 ])
 def test_invalid_specs_raise_a_clear_error(spec, word):
@@ -117,6 +122,7 @@ def test_build_args_round_trip_to_the_same_hash():
     import argparse
 
     for build in [{}, {"quantization": "int4-gptq", "groupSize": 32}, {"quantization": "int8-smoothquant", "smoothquantAlpha": "750m"},
+                  {"quantization": "int4-awq", "quantizeLmHead": True},
                   {"kvCacheDtype": "fp8", "maxSeqLen": 1024}]:
         bs = es.BuildSpec.from_dict({"model": SMOL, "build": build})
         argv = bs.to_build_args("/engines/" + bs.hash())
@@ -124,11 +130,13 @@ def test_build_args_round_trip_to_the_same_hash():
         for flag in ("--model", "--output", "--quantization", "--group-size", "--smoothquant-alpha", "--kv-cache-dtype", "--source-checksum",
                      "--calibration-samples", "--max-seq-len", "--max-batch-size", "--max-num-tokens"):
             p.add_argument(flag)
+        p.add_argument("--quantize-lm-head", action="store_true")
         a = p.parse_args(argv)
         back = es.BuildSpec.from_cli(a.model, quantization=a.quantization, group_size=a.group_size,
                                      smoothquant_alpha=a.smoothquant_alpha, kv_cache_dtype=a.kv_cache_dtype,
                                      calibration_samples=a.calibration_samples, max_seq_len=a.max_seq_len,
-                                     max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens)
+                                     max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
+                                     quantize_lm_head=a.quantize_lm_head)
         assert back.hash() == bs.hash()
         assert a.output.endswith(bs.hash())
 

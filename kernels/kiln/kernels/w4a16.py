@@ -832,17 +832,20 @@ def _check_config(cfg: dict) -> None:
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
-               config: dict | None = None) -> torch.Tensor:
-    """``x`` [M, K] (float16/bfloat16/float32) times the int4 weight -> [M, N] in ``x.dtype``.
+               config: dict | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` [M, K] (float16/bfloat16/float32) times the int4 weight -> [M, N] in ``out_dtype``.
 
     Args:
         x: activations, any 2-D strides.
         qweight: int32 [K // 8, N]; scales: float [K // G, N]; qzeros: uint8 [K // G, N]; any
             strides (K-major storage, ``to_kmajor``, selects ``TUNED_KMAJOR`` and ``gemvt``).
         config: override ``choose_config``'s launch choice (benchmarks, tests).
+        out_dtype: float16, bfloat16 or float32 (default ``x.dtype``); the kernels round their
+            float32 accumulators to it when they store (float32: logits of a quantized LM head).
     Raises:
-        ValueError: shapes or dtypes that do not fit the format, or a ``config`` that names no
-            kernel, lacks launch keys or has tiles that are not powers of two.
+        ValueError: shapes or dtypes that do not fit the format, a bad ``out_dtype``, or a
+            ``config`` that names no kernel, lacks launch keys or has tiles that are not powers
+            of two.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
@@ -863,6 +866,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         raise ValueError(f"scales/qzeros must be [K/G, N={N}], got {tuple(scales.shape)} / {tuple(qzeros.shape)}")
     if x.dtype not in _TL:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _TL:
+        raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     G = K // scales.shape[0]
     if G % 8:
         raise ValueError(f"group size {G} must be a multiple of 8")
@@ -884,7 +890,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if split > 1:
         part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, grid[0] * grid[1])
@@ -905,6 +911,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         from .w4a16_dequant import dequantize  # noqa: PLC0415
 
         w = dequantize(qweight, scales, qzeros, x.dtype, cfg["BLOCK_N"], bk, cfg["num_warps"])
+        if out_dtype != x.dtype:
+            return torch.matmul(x, w.t()).to(out_dtype)
         return torch.matmul(x, w.t(), out=out)
     if cfg["KERNEL"] == "gemvt":
         from .w4a16_gemvt import _gemvt_kernel  # noqa: PLC0415

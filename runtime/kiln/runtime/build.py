@@ -278,7 +278,8 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         tok = loader.load_tokenizer(hf)
     except (loader.ModelSourceError, UnsupportedModelError) as e:
         raise BadInputError(str(e)) from e
-    settings = QuantSettings(method=spec.quantization, group_size=spec.group_size, alpha=float(spec.smoothquant_alpha))
+    settings = QuantSettings(method=spec.quantization, group_size=spec.group_size, alpha=float(spec.smoothquant_alpha),
+                             lm_head=spec.lm_head_quantized)
     dev = resolve_device(device)
     try:
         handler = get_handler(settings)
@@ -310,7 +311,8 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
                       "sample_tokens": calibration.SAMPLE_TOKENS}
         if len(samples) < spec.calibration_samples:
             say(f"calibration text holds {len(samples)} samples of {calibration.SAMPLE_TOKENS} tokens; using all of them")
-    say(f"quantization {settings.method}" + (f", KV cache fp8" if kv else ""))
+    say(f"quantization {settings.method}" + (" (LM head too)" if settings.lm_head else "")
+        + (", KV cache fp8" if kv else ""))
     last = [0.0]
 
     def layer_progress(stage: str, done: int, total: int) -> None:
@@ -320,7 +322,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
             say(f"{stage}: layer {done}/{total}")
 
     with torch.no_grad():
-        kv_absmax = calibration.quantize_model(model, handler, samples, kv, layer_progress)
+        kv_absmax = calibration.quantize_model(model, handler, samples, kv, layer_progress, lm_head=settings.lm_head)
 
     store_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.float32)
     tensors = _engine_tensors(model, store_dtype)
@@ -371,6 +373,8 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default=d["kvCacheDtype"], help=f"one of {', '.join(KV_CACHE_DTYPES)}")
     parser.add_argument("--calibration-samples", type=int, default=d["calibrationSamples"],
                         help="calibration samples of 128 tokens from the shipped text (default: %(default)s)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="also quantize the LM head (int4-awq and int4-gptq only; part of the hash)")
     parser.add_argument("--max-seq-len", type=int, default=d["maxSeqLen"])
     parser.add_argument("--max-batch-size", type=int, default=d["maxBatchSize"])
     parser.add_argument("--max-num-tokens", type=int, default=d["maxNumTokens"])
@@ -427,14 +431,16 @@ def run_build(args: argparse.Namespace) -> int:
             smoothquant_alpha=args.smoothquant_alpha, kv_cache_dtype=args.kv_cache_dtype,
             calibration_samples=args.calibration_samples, max_seq_len=args.max_seq_len,
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-            checksum=args.source_checksum)
+            checksum=args.source_checksum, quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)))
     except EngineSpecError as e:
         print(f"kiln build: error: {_cli_spelling(str(e))}", file=sys.stderr)
         return 2
-    if args.group_size is not None and spec.quantization not in GROUPED_METHODS:
-        print(f"kiln build: error: --group-size applies only to {' and '.join(GROUPED_METHODS)}, "
-              f"not to --quantization {spec.quantization}", file=sys.stderr)
-        return 2
+    for flag, given in (("--group-size", args.group_size is not None),
+                        ("--quantize-lm-head", getattr(args, "quantize_lm_head", False))):
+        if given and spec.quantization not in GROUPED_METHODS:
+            print(f"kiln build: error: {flag} applies only to {' and '.join(GROUPED_METHODS)}, "
+                  f"not to --quantization {spec.quantization}", file=sys.stderr)
+            return 2
     if getattr(args, "print_hash", False):
         print(spec.hash())
         return 0

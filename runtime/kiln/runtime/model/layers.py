@@ -179,9 +179,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to vocabulary logits; may share its weight with the embedding."""
+    """Output projection to vocabulary logits; may share its weight with the embedding.
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+    A quantized engine may quantize the head too (``kiln build --quantize-lm-head``): then
+    ``quant_method`` (an int4 ``LinearMethod``) owns its buffers and computes the logits, and
+    a tied embedding keeps the float table for the lookups.
+    """
+
+    bias = None  # read by LinearMethod.apply
+    quant_method = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [S, hidden] (model dtype) -> float32 logits [S, vocab]."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, out_dtype=torch.float32)
         return ops.linear(hidden, self.weight, out_dtype=torch.float32)
 
 

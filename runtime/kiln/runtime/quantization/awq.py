@@ -169,5 +169,20 @@ class AwqHandler(QuantHandler):
                 sc, zr = search_clip(xs[key], w, G)
                 store_int4(mod, int4.quantize_with(w, sc, zr, G), sc, zr, G)
 
+    def quantize_lm_head(self, model, stats) -> None:
+        """AWQ on the LM head: the scale search on its inputs (the final norm's outputs), the
+        scales folded into the final norm's weight (the head is that norm's only reader), then
+        the clipping search.  The head's weight is read, never written: a tied embedding
+        keeps its float table."""
+        G = self.settings.group_size
+        head, norm = model.lm_head, model.model.norm
+        with torch.no_grad():
+            w = head.weight.float()
+            s = search_scale(stats.samples, stats.absmean, w, G)
+            w = w * s
+            norm.weight.div_(s.to(norm.weight.dtype))
+            sc, zr = search_clip(stats.samples / s, w, G)
+            store_int4(head, int4.quantize_with(w, sc, zr, G), sc, zr, G)
+
 
 register("int4-awq", AwqHandler, lambda settings, name: Int4LinearMethod(settings.group_size))

@@ -13,7 +13,8 @@ never branches on the method.  Each method has two halves:
 
 ``convert_for_runtime(model, method, settings)`` does the second half for a whole model.
 The quantized linears are every ``LinearBase`` inside the decoder layers (QKV, output,
-gate-up and down projections); embeddings and the LM head stay in the model dtype.
+gate-up and down projections); embeddings stay in the model dtype, and so does the LM head
+unless ``QuantSettings.lm_head`` (int4 methods: ``QuantHandler.quantize_lm_head``).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class QuantSettings:
         method: one of ``METHODS``.
         group_size: int4 columns per scale/zero group (32, 64 or 128).
         alpha: SmoothQuant migration strength in [0, 1].
+        lm_head: the LM head is quantized too (int4 methods).
         extra: method-specific knobs recorded in the manifest (e.g. GPTQ damping).
     """
 
     method: str = "none"
     group_size: int = 128
     alpha: float = 0.5
+    lm_head: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_manifest(self) -> dict[str, Any]:
@@ -57,6 +60,8 @@ class QuantSettings:
         if self.method.startswith("int4"):
             d["group_size"] = self.group_size
             d["format"] = "int4-packed-k8-asym"  # see quantization/int4.py
+            if self.lm_head:
+                d["lm_head"] = True
         if self.method == "int8-smoothquant":
             d["alpha"] = self.alpha
         d.update(self.extra)
@@ -65,7 +70,7 @@ class QuantSettings:
     @classmethod
     def from_manifest(cls, d: dict[str, Any]) -> "QuantSettings":
         return cls(method=d.get("method", "none"), group_size=int(d.get("group_size", 128)),
-                   alpha=float(d.get("alpha", 0.5)))
+                   alpha=float(d.get("alpha", 0.5)), lm_head=d.get("lm_head") is True)
 
 
 @dataclass
@@ -144,6 +149,17 @@ class QuantHandler:
     def linear_method(self) -> LinearMethod | None:
         """The online method this handler's output is served with (None: plain F.linear)."""
         return None
+
+    def quantize_lm_head(self, model: nn.Module, stats: LayerStats) -> None:
+        """Quantize the LM head in place from the statistics of its inputs (the final norm's
+        outputs on the calibration text, the ``wants`` fields); called once after every
+        decoder layer.  The LM head's weight may be tied to the embeddings: implementations
+        must not write into it (they replace it, ``replace_weight``).
+
+        Raises:
+            QuantizationError: the method cannot quantize an LM head.
+        """
+        raise QuantizationError(f"{self.settings.method} cannot quantize the LM head")
 
 
 def decoder_linears(layer: nn.Module) -> Iterator[tuple[str, LinearBase]]:
@@ -227,6 +243,12 @@ def convert_for_runtime(model: nn.Module, settings: QuantSettings) -> None:
         if lm is not None:
             lm.create_weights(mod, name)
             mod.quant_method = lm
+    if settings.lm_head:
+        lm = _LINEAR_METHODS[settings.method](settings, "lm_head")
+        if lm is None:
+            raise QuantizationError(f"{settings.method} has no quantized LM head")
+        lm.create_weights(model.lm_head, "lm_head")  # replaces the (maybe tied) weight on the head only
+        model.lm_head.quant_method = lm
 
 
 class NoQuantHandler(QuantHandler):

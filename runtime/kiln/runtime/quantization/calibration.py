@@ -168,6 +168,17 @@ class LayerwiseCalibrator:
                 h.remove()
         return {name: c.finish() for name, c in collectors.items()}
 
+    def collect_lm_head(self, wants: frozenset[str]) -> LayerStats:
+        """Statistics of the LM head's inputs: the final norm applied to the last decoder
+        layer's outputs (call after ``advance`` of the last layer)."""
+        col = _Collector(wants, max(1, math.ceil(self.total_tokens / MAX_SAVED_ROWS)))
+        norm = self.model.model.norm
+        with torch.inference_mode():
+            for _, hidden, residual, _ in self.inputs:
+                h = norm(hidden.clone()) if residual is None else norm(hidden.clone(), residual.clone())[0]
+                col(None, (h,))
+        return col.finish()
+
     def advance(self, index: int, kv_absmax: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run decoder layer ``index`` (as it is now, e.g. quantized) on the samples; its
         outputs become the next layer's inputs.  With ``kv_absmax`` also return max |K| and
@@ -192,10 +203,13 @@ class LayerwiseCalibrator:
 
 
 def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, kv_fp8: bool,
-                   progress: Callable[[str, int, int], None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+                   progress: Callable[[str, int, int], None] | None = None,
+                   lm_head: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Apply ``handler`` to every decoder layer, calibrating when needed: per layer,
     ``handler.prepare_layer`` (when it wants statistics), then ``handler.quantize_layer`` once,
-    or once per group of ``handler.sequential_groups`` with statistics re-collected each time.
+    or once per group of ``handler.sequential_groups`` with statistics re-collected each time;
+    with ``lm_head``, then ``handler.quantize_lm_head`` on the final norm's outputs (computed
+    from the quantized layers, like every other layer's inputs).
 
     Args:
         model: float32 ``LlamaForCausalLM`` (rewritten in place).
@@ -203,9 +217,15 @@ def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, k
         samples: calibration token ids (required when the handler calibrates or ``kv_fp8``).
         kv_fp8: also measure K/V ranges for an FP8 KV cache.
         progress: ``progress(stage, done, total)`` callback.
+        lm_head: quantize the LM head too (the handler must calibrate).
     Returns:
         per-layer ``(max|K|, max|V|)`` per KV head (float32 [Hkv]) when ``kv_fp8``, else None.
+    Raises:
+        ValueError: no samples for a calibrating handler, or ``lm_head`` with one that does not
+            calibrate.
     """
+    if lm_head and not handler.needs_calibration:
+        raise ValueError("quantizing the LM head needs a calibrating method")
     layers = model.model.layers
     n = len(layers)
     calibrate = handler.needs_calibration or kv_fp8
@@ -234,4 +254,8 @@ def quantize_model(model: nn.Module, handler, samples: list[list[int]] | None, k
             kv.append(r)  # type: ignore[arg-type]
         if progress:
             progress("calibrate+quantize", i + 1, n)
+    if lm_head:
+        handler.quantize_lm_head(model, cal.collect_lm_head(handler.wants))
+        if progress:
+            progress("calibrate+quantize LM head", 1, 1)
     return kv if kv_fp8 else None

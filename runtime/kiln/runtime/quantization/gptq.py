@@ -185,5 +185,15 @@ class GptqHandler(QuantHandler):
                 q, s, z = gptq_quantize(mod.weight.float(), stats[name].hessian, G, damp)
                 store_int4(mod, q, s, z, G)
 
+    def quantize_lm_head(self, model, stats) -> None:
+        """GPTQ on the LM head's weight with the Hessian of its inputs (the final norm's
+        outputs); a tied embedding keeps its float table."""
+        G = self.settings.group_size
+        damp = float(self.settings.extra.get("damp", DAMP))
+        head = model.lm_head
+        with torch.no_grad():
+            q, s, z = gptq_quantize(head.weight.float(), stats.hessian, G, damp)
+            store_int4(head, q, s, z, G)
+
 
 register("int4-gptq", GptqHandler, lambda settings, name: Int4LinearMethod(settings.group_size))

@@ -438,8 +438,9 @@ def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
     return rows
 
 
-def _quantize_dummy(model, method: str, group_size: int = 128) -> None:
-    """Quantize a dummy-weight model in place on the GPU (speed only: RTN for int4)."""
+def _quantize_dummy(model, method: str, group_size: int = 128, lm_head: bool = False) -> None:
+    """Quantize a dummy-weight model in place on the GPU (speed only: RTN for int4); with
+    ``lm_head`` (int4) the LM head too, as ``kiln build --quantize-lm-head`` does."""
     from . import int4
     from .base import decoder_linears
     from .base import QuantSettings
@@ -453,6 +454,10 @@ def _quantize_dummy(model, method: str, group_size: int = 128) -> None:
             w = mod.weight.data.float()
             s, z = int4.quantize_params(w, group_size)
             int4.store_int4(mod, int4.quantize_with(w, s, z, group_size), s, z, group_size)
+    if lm_head and method == "int4":
+        w = model.lm_head.weight.data.float()
+        s, z = int4.quantize_params(w, group_size)
+        int4.store_int4(model.lm_head, int4.quantize_with(w, s, z, group_size), s, z, group_size)
     torch.cuda.empty_cache()
 
 
@@ -473,8 +478,8 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
                     prm.data.fill_(1.0)
                 else:
                     prm.data.normal_(0.0, 0.02)
-            if _m.split("-")[0] != "bf16":
-                _quantize_dummy(self.model, _m.split("-")[0])
+            if _m.split("-")[0] != "bf16":  # "int4-lmhead": the LM head quantized too
+                _quantize_dummy(self.model, _m.split("-")[0], lm_head="lmhead" in _m.split("-"))
 
         ModelRunner.init_dummy_weights = patched
         from kiln.kernels import w4a16

@@ -133,18 +133,21 @@ class Int4LinearMethod(LinearMethod):
                                "scales": torch.empty(K // G, N, dtype=SCALE_DTYPE, device=dev),
                                "qzeros": torch.empty(K // G, N, dtype=torch.uint8, device=dev)})
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+    def apply(self, layer, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x`` [T, K] (model dtype) -> [T, N] in ``out_dtype`` (default x's; the LM head asks
+        for float32 logits, which the GEMM writes directly)."""
         if x.is_cuda:
             from kiln.kernels.w4a16 import w4a16_gemm  # noqa: PLC0415
 
             if cuda_layout() == "kmajor":
                 to_kmajor_(layer)
-            y = w4a16_gemm(x, layer.qweight, layer.scales, layer.qzeros)
+            y = w4a16_gemm(x, layer.qweight, layer.scales, layer.qzeros, out_dtype=out_dtype)
             return y if layer.bias is None else y + layer.bias
         from .fp8 import cached_dequant  # noqa: PLC0415
 
         w = cached_dequant(layer, lambda: dequantize(layer.qweight, layer.scales, layer.qzeros, x.dtype))
-        return F.linear(x, w, layer.bias)
+        y = F.linear(x, w, layer.bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 def cuda_layout() -> str:
