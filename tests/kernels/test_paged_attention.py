@@ -214,6 +214,52 @@ def test_padded_decode_slot_gives_zeros():
         assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("heads", GQA)
+def test_decode_fused_merge(heads, splits):
+    """Decode splits merged by the last split of each KV head in the same launch: equal to the
+    reference (contexts shorter than a split, an idle slot), equal to the two-launch merge up
+    to float32 rounding, and the arrival counters are back at zero (a second call agrees)."""
+    from kiln.kernels import attention
+    from kiln.kernels.splitk import counters
+
+    class NoMergeLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused path launched the merge kernel")
+
+    two_launch = attention._merge_splits_kernel
+    Hq, Hkv = heads
+    seq_lens = [1, 40, 0, 64, 23]
+    k_cache, v_cache, table = make_paged_kv([max(n, 1) for n in seq_lens], Hkv, 32, 16, torch.float32)
+    q, cu = make_queries([1] * len(seq_lens), Hq, 32, torch.float32)
+    attention._merge_splits_kernel = NoMergeLaunch()
+    try:
+        out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=splits, config={"fused_merge": True})
+        again, _ = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=splits, config={"fused_merge": True})
+    finally:
+        attention._merge_splits_kernel = two_launch
+    assert_close(out, ref, torch.float32)
+    assert torch.equal(out[2].cpu(), torch.zeros_like(out[2]).cpu())  # the idle slot
+    assert torch.equal(out, again)  # the counters were back at zero for the second launch
+    assert int(counters(q.device, len(seq_lens) * Hkv)[: len(seq_lens) * Hkv].abs().sum()) == 0
+    two, _ = _run(q, k_cache, v_cache, table, seq_lens, cu, num_splits=splits, config={"fused_merge": False})
+    assert rel_err(out, two) < 1e-6
+
+
+def test_decode_fused_merge_fp8_and_env_switch(monkeypatch):
+    seq_lens = [33, 70]
+    k_cache, v_cache, table = make_paged_kv(seq_lens, 2, 64, 16, torch.float32)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    q, cu = make_queries([1, 1], 8, 64, torch.float16)
+    kw = dict(k_scale=0.5, v_scale=0.25, num_splits=3)
+    monkeypatch.setenv("KILN_ATTN_FUSED_MERGE", "1")
+    out, ref = _run(q, k_cache, v_cache, table, seq_lens, cu, **kw)
+    assert_close(out, ref, torch.float16)
+    monkeypatch.setenv("KILN_ATTN_FUSED_MERGE", "yes")
+    with pytest.raises(ValueError, match="KILN_ATTN_FUSED_MERGE must be 0 or 1"):
+        _run(q, k_cache, v_cache, table, seq_lens, cu, **kw)
+
+
 def test_strided_query_view():
     """q as a view of a fused QKV projection output (token stride > Hq * D)."""
     Hq, Hkv, D = 4, 2, 16

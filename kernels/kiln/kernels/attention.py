@@ -7,8 +7,12 @@ One kernel, two launch modes behind one launcher (``paged_attention``):
   heads that share one KV head (GQA: the K/V tile is read once for the group) and walks one
   slice of the context; with ``num_splits > 1`` the context is split across programs
   (flash-decoding, Dao et al. 2023) and a second kernel merges the partial results with
-  their running max and sum (log-sum-exp merge).  Splits are picked from the batch shape so
-  that the grid fills the GPU; no device value is read on the host (CUDA-graph safe).
+  their running max and sum (log-sum-exp merge), or, with ``fused_merge`` (config key or
+  ``KILN_ATTN_FUSED_MERGE=1``; off by default until measured), the split of each (sequence,
+  KV head) that finishes last merges them in the same launch, through an arrival counter as
+  in TensorRT-LLM's multi-block decode and ``kiln.kernels.splitk``.  Splits are picked from
+  the batch shape so that the grid fills the GPU; no device value is read on the host
+  (CUDA-graph safe).
 * **prefill / mixed** (any query lengths, variable per sequence through ``cu_seqlens_q``):
   grid ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads)``.  Each program owns BLOCK_Q
   query tokens of one sequence times the G query heads of one KV head (BLOCK_M = BLOCK_Q *
@@ -44,6 +48,7 @@ Reference: ``reference.paged_attention_ref``.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -62,6 +67,7 @@ from kiln.kernels.launch import (
     scale_args,
 )
 from kiln.kernels.pdl import launch_kwargs, pdl_start
+from kiln.kernels.splitk import counters
 
 __all__ = ["paged_attention"]
 
@@ -130,6 +136,9 @@ def _paged_attn_kernel(
     WORDS: tl.constexpr = 0,  # fp8 + F16_DOT: bit 0 reads K, bit 1 V as int32 words (see _e4m3_words_to_f16)
     CVT_PTX: tl.constexpr = 0,  # WORDS conversion through PTX (GPU) instead of integer arithmetic
     PDL: tl.constexpr = False,
+    cnt_ptr=None,  # FUSED_MERGE: int32 arrival counters, one per (program, KV head), zero between launches
+    FUSED_MERGE: tl.constexpr = False,  # decode with splits: the last split of a KV head merges (no merge launch)
+    SPLITS_P2: tl.constexpr = 1,  # NUM_SPLITS rounded up to a power of two (FUSED_MERGE)
 ):
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     pid = tl.program_id(0)
@@ -268,6 +277,40 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
         tl.store(part_acc_ptr + prow[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        if FUSED_MERGE:  # decode (one query row, G heads): the split that arrives last merges them
+            tl.debug_barrier()  # every thread's partials are written before the release below
+            tile = pid * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                t0 = q_start.to(tl.int64)
+                for r in tl.static_range(G):
+                    h = kvh * G + r
+                    _merge_row(out_ptr + t0 * stride_ot + h * stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
+                               t0 * stride_pt + h * stride_ph, HEAD_DIM, NUM_SPLITS, SPLITS_P2, BLOCK_D, PART_STRIDE)
+                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+@triton.jit
+def _merge_row(out_row_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, prow0, head_dim,
+               NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, PART_STRIDE: tl.constexpr):
+    """Flash-decoding reduce of one (token, head): ``out = sum_i 2^(m_i - M) acc_i / sum_i
+    2^(m_i - M) l_i`` over the split partials in rows ``prow0 + i`` (base-2 maxima ``m_i``,
+    sums ``l_i``, unnormalized ``acc_i`` [head_dim]).  The partials are read past L1
+    (``.cg``): other SMs wrote them in the same launch when the reduce is fused."""
+    sp = tl.arange(0, SPLITS_P2)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    prow = (prow0 + sp) * PART_STRIDE
+    m = tl.load(part_m_ptr + prow, mask=sp_ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_l_ptr + prow, mask=sp_ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(sp_ok, tl.math.exp2(m - m_max), 0.0)
+    denom = tl.sum(w * l, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.load(part_acc_ptr + prow[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0, cache_modifier=".cg")
+    o = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_row_ptr + d, o.to(out_row_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 @triton.jit
@@ -281,23 +324,23 @@ def _merge_splits_kernel(
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    prow = (t * stride_pt + h * stride_ph + sp) * PART_STRIDE
-    m = tl.load(part_m_ptr + prow, mask=sp_ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + prow, mask=sp_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(sp_ok, tl.math.exp2(m - m_max), 0.0)
-    denom = tl.sum(w * l, axis=0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    acc = tl.load(part_acc_ptr + prow[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / denom
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    _merge_row(out_ptr + t * stride_ot + h * stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
+               t * stride_pt + h * stride_ph, head_dim, NUM_SPLITS, SPLITS_P2, BLOCK_D, PART_STRIDE)
 
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fused_merge(cfg: dict) -> bool:
+    """Whether the decode kernel merges its own splits: ``KILN_ATTN_FUSED_MERGE`` (``0``/``1``)
+    when set, else the config's ``fused_merge`` (``tuning.ATTENTION``; default off until
+    measured on the GPU)."""
+    env = os.environ.get("KILN_ATTN_FUSED_MERGE", "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"KILN_ATTN_FUSED_MERGE must be 0 or 1, got {env!r}")
+        return env == "1"
+    return bool(cfg.get("fused_merge", False))
 
 
 def _words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
@@ -355,7 +398,8 @@ def paged_attention(
             (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; decode: ``kernel``
             "mma" or "cuda_core"; ``maxnreg``, a register cap; cuda_core: ``prefetch``; fp8
             caches: ``fp8_f16_dot``, ``fp8_words`` 0-3, bit 0 K and bit 1 V read as int32
-            words and converted in registers); for tuning.
+            words and converted in registers; ``fused_merge``: decode splits merged in the
+            same launch, "mma" kernel); for tuning.
     Returns:
         ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
         unwritten.
@@ -428,6 +472,12 @@ def paged_attention(
         paged_decode_cuda_core(q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, seq_lens,
                                cu_seqlens_q, ks, vs, scale, splits, BLOCK_D, part_stride, cfg)
     else:
+        # decode with splits: the last split of each KV head reduces them (``FUSED_MERGE``,
+        # arrival counters as in ``kiln.kernels.splitk``) instead of a second launch
+        fused = {}
+        if decode and splits > 1 and _fused_merge(cfg):
+            fused = dict(cnt_ptr=counters(q.device, grid0 * Hkv), FUSED_MERGE=True,
+                         SPLITS_P2=next_power_of_2(splits))
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
         f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
         words = int(cfg.get("fp8_words", 0)) if f16_dot else 0
@@ -452,9 +502,9 @@ def paged_attention(
             WORDS=words, CVT_PTX=bool(words) and q.is_cuda and not interpreting(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
-            **launch_kwargs(q.device),
+            **launch_kwargs(q.device), **fused,
         )
-    if splits > 1:
+    if splits > 1 and not fused:
         _merge_splits_kernel[(T, Hq)](
             out, part_acc, part_m, part_l,
             out.stride(0), out.stride(1), Hq * splits, splits, D,

@@ -30,6 +30,9 @@ import time
 import torch
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# + the LM head (vocabulary 128256), quantized by ``kiln build --quantize-lm-head``; its GEMM
+# writes float32 logits (``out_dtype``), as the runtime asks
+ALL_SHAPES = dict(SHAPES, lm_head=(128256, 4096))
 
 
 def graph_time(fns, reps: int = 20) -> float:
@@ -130,10 +133,11 @@ def _weight_copies(N: int, K: int, kmajor: bool = False) -> tuple[list[torch.Ten
     return w, [{k: copy(v) for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
 
 
-def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, kmajor: bool = False) -> list[dict]:
-    """Sweep the launch configs per shape and M bucket (filling ``TUNED``, or ``TUNED_KMAJOR``
-    with ``kmajor``: weights stored K-major), check the winner against the reference, then
-    time it against bf16 cuBLAS."""
+def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, kmajor: bool = False,
+                shapes: dict[str, tuple[int, int]] | None = None) -> list[dict]:
+    """Sweep the launch configs per shape (default ``SHAPES``) and M bucket (filling ``TUNED``,
+    or ``TUNED_KMAJOR`` with ``kmajor``: weights stored K-major), check the winner against the
+    reference, then time it against bf16 cuBLAS."""
     import multiprocessing as mp
 
     from kiln.kernels.w4a16 import TUNED, TUNED_KMAJOR, w4a16_gemm, w4a16_ref
@@ -147,8 +151,9 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
         pool.map(_warm, [jobs[i::procs] for i in range(procs)])
     print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
     rows = []
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in (shapes or SHAPES).items():
         w, q = _weight_copies(N, K, kmajor)
+        od = torch.float32 if name == "lm_head" else None
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             best = None
@@ -157,7 +162,7 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
                 for sp in splits:
                     c = dict(cfg, SPLIT_K=sp)
                     try:
-                        t = graph_time([lambda p=p, c=c: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], c)
+                        t = graph_time([lambda p=p, c=c: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], c, od)
                                         for p in q[:16]], reps=5)
                     except Exception:  # noqa: BLE001 - resources exceeded etc.
                         continue
@@ -169,10 +174,11 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
             ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
             errs = []
             for _ in range(3):  # repeated: the split-K counters must come back to zero
-                y = w4a16_gemm(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
+                y = w4a16_gemm(x, packed["qweight"], packed["scales"], packed["qzeros"], out_dtype=od).float()
                 errs.append(float((y - ref).norm() / ref.norm()))
             t_bf16 = graph_time([lambda wi=wi: x @ wi.t() for wi in w])
-            t_w4 = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"]) for p in q])
+            t_w4 = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], out_dtype=od)
+                               for p in q])
             nbytes = N * K / 2 + N * K // 128 * 3
             rows.append({"shape": name, "layout": "kmajor" if kmajor else "nmajor", "N": N, "K": K, "M": M,
                          "bf16_us": t_bf16 * 1e6, "w4a16_us": t_w4 * 1e6,
@@ -537,9 +543,11 @@ def main() -> None:
                    help="comma list of w4a16, w4a16-kmajor (the same sweep on K-major weights), w4a16-large "
                         "(prefill M: fused mma vs dequantize + cuBLAS vs bf16, N- and K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
     p.add_argument("--ms", default="1,2,4,8,16", help="M values of the w4a16 sweeps")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help=f"shapes of the w4a16 / w4a16-kmajor sweeps, a comma list of {', '.join(ALL_SHAPES)}")
     p.add_argument("--decode-methods", default="bf16,int4,fp8",
-                   help="bf16, int4, int4-gemv, int4-gemv2, int4-kmajor (K-major weights), fp8; a -nopdl suffix turns "
-                        "PDL off (KILN_PDL=0)")
+                   help="bf16, int4, int4-gemv, int4-gemv2, int4-kmajor (K-major weights), int4-lmhead (the LM head "
+                        "quantized too), fp8; a -nopdl suffix turns PDL off (KILN_PDL=0)")
     p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
     p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together in the decode part")
     a = p.parse_args()
@@ -554,10 +562,14 @@ def main() -> None:
     if "w4a16-variants" in only:
         res["w4a16_variants"] = bench_w4a16_variants()
     ms = tuple(int(m) for m in a.ms.split(","))
+    unknown = [n for n in a.shapes.split(",") if n not in ALL_SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; choose from {', '.join(ALL_SHAPES)}")
+    shapes = {n: ALL_SHAPES[n] for n in a.shapes.split(",")}
     if "w4a16" in only:
-        res["w4a16"] = bench_w4a16(ms)
+        res["w4a16"] = bench_w4a16(ms, shapes=shapes)
     if "w4a16-kmajor" in only:
-        res["w4a16_kmajor"] = bench_w4a16(ms, kmajor=True)
+        res["w4a16_kmajor"] = bench_w4a16(ms, kmajor=True, shapes=shapes)
     if "w4a16-large" in only:
         res["w4a16_large"] = bench_w4a16_large()
     if "pdl" in only:
