@@ -468,13 +468,13 @@ def paged_attention(
         part_l = part[:, BLOCK_D + 1]
     else:
         part_acc = part_m = part_l = out  # unused
+    fused: dict = {}  # the "mma" decode may merge its splits in the same launch (below)
     if kernel == "cuda_core":
         paged_decode_cuda_core(q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, seq_lens,
                                cu_seqlens_q, ks, vs, scale, splits, BLOCK_D, part_stride, cfg)
     else:
         # decode with splits: the last split of each KV head reduces them (``FUSED_MERGE``,
         # arrival counters as in ``kiln.kernels.splitk``) instead of a second launch
-        fused = {}
         if decode and splits > 1 and _fused_merge(cfg):
             fused = dict(cnt_ptr=counters(q.device, grid0 * Hkv), FUSED_MERGE=True,
                          SPLITS_P2=next_power_of_2(splits))
