@@ -245,6 +245,23 @@ def test_existing_foreign_output(tiny_model, tmp_path):
     assert (tmp_path / "e" / "something").read_text() == "x"
 
 
+def test_output_under_a_file(tiny_model, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BuildError, match=f"cannot create {tmp_path}/afile/x: {tmp_path}/afile is a file, not a folder"):
+        build_engine(BuildSpec.from_cli(str(tiny_model)), str(tiny_model), tmp_path / "afile" / "x", device="cpu")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_existing_engine_of_another_spec(tiny_engines, tiny_model):
+    """An --output that holds a finished engine of a different spec names both hashes."""
+    other = open_engine(tiny_engines["int4-gptq"]).manifest["engine_hash"]
+    spec = BuildSpec.from_cli(str(tiny_model), quantization="int4-gptq", group_size=32, quantize_lm_head=True)
+    with pytest.raises(BuildError, match=f"holds engine {other}, built from a different spec than this one "
+                                         f"\\({spec.hash()}\\)"):
+        build_engine(spec, str(tiny_model), tiny_engines["int4-gptq"], device="cpu")
+    assert open_engine(tiny_engines["int4-gptq"], verify=True).manifest["engine_hash"] == other
+
+
 def test_stale_temp_folders_of_killed_builds_are_removed(tiny_model, tmp_path):
     """A build killed hard (SIGKILL) leaves its temporary folder; the next build next to it
     removes folders of dead builders on this host and old ones, and keeps a live builder's."""
@@ -409,6 +426,12 @@ def test_eval_bad_text_and_windows(tiny_engines, capsys, tmp_path):
     for flag, value in (("--window", "0"), ("--window", "1"), ("--max-tokens", "0")):
         assert main(["perplexity", "--engine", eng, "--text", str(text), flag, value]) == 2, flag
         assert "at least 2" in capsys.readouterr().err
+    for flag, value, want in (("--max-tokens", "-5", "--max-tokens must be at least 2, got -5"),
+                              ("--max-tokens", "0", "--max-tokens must be at least 2, got 0"),
+                              ("--num-prompts", "0", "--num-prompts must be at least 1, got 0"),
+                              ("--new-tokens", "0", "--new-tokens must be at least 1, got 0")):
+        assert main(["agreement", eng, eng, "--text", str(text), flag, value]) == 2, flag
+        assert want in capsys.readouterr().err
 
 
 def test_eval_cli(tiny_engines, capsys, tmp_path):

@@ -82,6 +82,10 @@ def test_omitted_and_written_defaults_hash_alike_after_defaulting():
 @pytest.mark.parametrize("spec, message", [
     ({"model": {"builtin": "smollm2-135m-instruct"}, "rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "cannot both be 0"),
     ({"model": {"builtin": "smollm2-135m-instruct"}, "build": {"groupSize": 256}}, "groupSize must be one of"),
+    ({"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "fp8", "quantizeLmHead": True}},
+     "quantizeLmHead applies only to quantization int4-awq and int4-gptq"),
+    ({"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantizeLmHead": True}},
+     "quantizeLmHead applies only to"),
     ({"model": {"builtin": "smollm2-135m-instruct", "pvc": {"claimName": "m", "path": "x"}}}, "exactly one source"),
 ])
 def test_cel_rules(spec, message):
@@ -93,3 +97,14 @@ def test_unknown_enum_is_rejected():
     _, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
                        "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int3"}}})
     assert errors and "quantization" in errors[0]
+
+
+def test_quantize_lm_head_is_admitted_with_int4():
+    for q in ("int4-awq", "int4-gptq"):
+        obj, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
+                             "spec": {"model": {"builtin": "smollm2-135m-instruct"},
+                                      "build": {"quantization": q, "groupSize": 32, "quantizeLmHead": True}}})
+        assert errors == [] and obj["spec"]["build"]["quantizeLmHead"] is True
+    obj, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
+                         "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "fp8"}}})
+    assert errors == [] and obj["spec"]["build"]["quantizeLmHead"] is False  # the default

@@ -90,3 +90,15 @@ def test_serve_port_in_use_fails_before_loading_the_model(monkeypatch, capsys):
         port = s.getsockname()[1]
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
     assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_serve_empty_served_model_name_is_refused_before_loading(monkeypatch, capsys, name):
+    from kiln.runtime import engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine, "LLMEngine", no_load)
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--served-model-name", name]) == 2
+    assert "--served-model-name must not be empty" in capsys.readouterr().err

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 
 from kiln.runtime.compile_cache import ensure_writable_cache_dir, prepare_shared_cache
 
@@ -25,7 +28,25 @@ def test_unwritable_cache_dir_falls_back_with_a_warning(tmp_path, caplog):
         got = ensure_writable_cache_dir(env)
     assert got != str(blocker / "triton") and env["TRITON_CACHE_DIR"] == got
     assert os.path.isdir(got) and os.access(got, os.W_OK)
-    assert "is not writable" in caplog.text and str(blocker / "triton") in caplog.text
+    assert "is not writable (a part of the path is not a folder)" in caplog.text
+    assert str(blocker / "triton") in caplog.text
+    caplog.clear()
+    env = {"TRITON_CACHE_DIR": str(blocker)}  # the path itself is a file
+    with caplog.at_level(logging.WARNING, logger="kiln.runtime.compile_cache"):
+        ensure_writable_cache_dir(env)
+    assert "(it is not a folder)" in caplog.text
+
+
+def test_fallback_folder_is_removed_at_exit(tmp_path):
+    """The private fallback folder does not outlive the process (a real interpreter exit)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code = ("import os; from kiln.runtime.compile_cache import ensure_writable_cache_dir; "
+            "env = {'TRITON_CACHE_DIR': os.environ['X'] + '/t'}; print(ensure_writable_cache_dir(env))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "X": str(blocker)}, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out.startswith(tempfile.gettempdir()) and "kiln-triton-cache-" in out
+    assert not os.path.exists(out)
 
 
 def test_unset_leaves_tritons_default():

@@ -40,6 +40,7 @@ from .enginespec import (
     BuildSpec,
     EngineSpecError,
     is_engine_complete,
+    read_manifest,
 )
 
 MAX_SHARD_BYTES = 4 << 30  # weights per safetensors file
@@ -180,6 +181,10 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
                                 f"at a folder on that volume, e.g. {out / 'engine'}")
         if out.is_dir() and not any(out.iterdir()):
             pass  # an empty folder (e.g. a mount point's child) is replaced by the rename
+        elif is_engine_complete(str(out)):  # a finished engine, of another build spec
+            other = (read_manifest(str(out)) or {}).get("engine_hash", "?")
+            raise BuildError(f"{out} holds engine {other}, built from a different spec than this one ({h}); "
+                             "remove it or pick another --output")
         else:
             raise BuildError(f"{out} exists and is not a complete engine with hash {h}; remove it or pick another --output")
     try:
@@ -188,6 +193,9 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         (tmp / _BUILDER_MARKER).write_text(f"{socket.gethostname()}\n{os.getpid()}\n")
     except OSError as e:
+        blocker = next((p for p in [out.parent, *out.parent.parents] if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise BuildError(f"cannot create {out}: {blocker} is a file, not a folder") from e
         raise BuildError(f"cannot write under {out.parent}: {e.strerror or e} (read-only or missing output location?)") from e
     try:
         _build_into(spec, model_src, tmp, h, device, say)

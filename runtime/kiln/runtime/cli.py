@@ -73,6 +73,8 @@ def check_can_listen(host: str, port: int) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
+    if ns.served_model_name is not None and not ns.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty (leave it out to serve under the source's name)")
     check_can_listen(ns.host, ns.port)
     from .compile_cache import ensure_writable_cache_dir  # noqa: PLC0415
 

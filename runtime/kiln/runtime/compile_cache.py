@@ -20,8 +20,10 @@ before this folder existed, a read-only claim), so a cache problem never stops a
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import MutableMapping
 
@@ -53,7 +55,8 @@ def prepare_shared_cache(environ: MutableMapping[str, str] = os.environ) -> str 
 def ensure_writable_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str | None:
     """Make sure Triton can write its cache: when ``TRITON_CACHE_DIR`` is set, create it and
     test a write there; if that fails (``OSError``: not a folder, read-only, owned by another
-    user), point ``TRITON_CACHE_DIR`` at a new private temporary folder and log a warning.
+    user), point ``TRITON_CACHE_DIR`` at a new private temporary folder (removed when the
+    process exits) and log a warning.
 
     Returns the cache folder in use (None when ``TRITON_CACHE_DIR`` is unset: Triton's
     default).  Call it before the first kernel compiles.  Never raises ``OSError`` for the
@@ -68,8 +71,15 @@ def ensure_writable_cache_dir(environ: MutableMapping[str, str] = os.environ) ->
             pass
         return path
     except OSError as e:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            why = "it is not a folder"
+        elif isinstance(e, (FileExistsError, NotADirectoryError)):
+            why = "a part of the path is not a folder"
+        else:
+            why = e.strerror or str(e)
         fallback = tempfile.mkdtemp(prefix="kiln-triton-cache-")
+        atexit.register(shutil.rmtree, fallback, True)  # private to this process: removed at exit
         log.warning("%s=%s is not writable (%s); compiled kernels go to %s for this process only, so the "
-                    "next start compiles them again", ENV_TRITON_CACHE_DIR, path, e.strerror or e, fallback)
+                    "next start compiles them again", ENV_TRITON_CACHE_DIR, path, why, fallback)
         environ[ENV_TRITON_CACHE_DIR] = fallback
         return fallback

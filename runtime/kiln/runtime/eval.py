@@ -142,8 +142,17 @@ def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 
         ``{"teacher_forced_top1": share of positions where both predict the same next token,
         "greedy_token_agreement": share of generated tokens equal position by position,
         "greedy_identical": prompts whose continuations are identical, "num_prompts", ...}``.
+    Raises:
+        ValueError: ``max_tokens`` < 2 (None: the whole text), ``num_prompts``,
+            ``prompt_tokens`` or ``new_tokens`` < 1, or what ``perplexity`` refuses.
     """
     from .sampling_params import SamplingParams  # noqa: PLC0415
+
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
+    for flag, v in (("--num-prompts", num_prompts), ("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens)):
+        if v < 1:
+            raise ValueError(f"{flag} must be at least 1, got {v}")
 
     engines = [open_model(engine=r, device=device, window=window, num_seqs=num_prompts) if _is_engine(r)
                else open_model(model=r, device=device, window=window, num_seqs=num_prompts) for r in (a, b)]
