@@ -189,3 +189,21 @@ def test_smoothing_is_exact_before_rounding():
     s = smoothing_factors(x.abs().amax(0), w, 0.5)
     assert torch.allclose((x / s) @ (w * s).t(), x @ w.t(), rtol=1e-4, atol=1e-4)
     assert (x / s).abs().amax(0).max() < x.abs().amax(0).max()
+
+
+def test_cpu_dequant_cache_follows_the_buffers():
+    """The CPU path's cached dequantized weight is rebuilt when the layer's buffers are
+    replaced (new tensors, possibly at the freed buffers' addresses) or written in place."""
+    lin, _ = make_linear("int4", N=64, K=128, G=32)
+    x = torch.randn(3, 128)
+    first = lin(x)
+    for seed in (1, 2, 3):  # re-quantize other weights into fresh buffers, old ones freed
+        w = torch.randn(64, 128, generator=torch.Generator().manual_seed(seed)) * 0.05
+        s, z = int4.quantize_params(w, 32)
+        int4.store_int4(lin, int4.quantize_with(w, s, z, 32), s, z, 32)
+        ref = x @ int4.dequantize(lin.qweight, lin.scales, lin.qzeros).t()
+        assert rel(lin(x), ref) < 1e-6
+    with torch.no_grad():
+        lin.scales.mul_(2)  # in place
+    assert rel(lin(x), x @ int4.dequantize(lin.qweight, lin.scales, lin.qzeros).t()) < 1e-6
+    assert not torch.allclose(lin(x), first)

@@ -37,6 +37,8 @@ numbers are the GPU's up to that accumulation difference.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -63,15 +65,18 @@ def quantize_rows_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cached_dequant(layer, make) -> torch.Tensor:
-    """A dequantized weight kept on the layer for the CPU path, rebuilt when the stored
-    weight changes (keyed on the buffer's identity and version counter)."""
-    src = layer.weight if hasattr(layer, "weight") and layer.weight is not None else layer.qweight
-    key = (src.data_ptr(), src._version, src.device)
+    """A dequantized weight kept on the layer for the CPU path, rebuilt when any of the layer's
+    own parameters or buffers (weight, scales, zero points, ...) changes: another tensor object
+    (weak references, so a new buffer at a freed buffer's address is not taken for the old
+    one) or an in-place write (version counters)."""
+    srcs = [t for t in list(layer._parameters.values()) + list(layer._buffers.values()) if t is not None]
+    key = tuple((t._version, t.device) for t in srcs)
     hit = getattr(layer, "_kiln_dequant", None)
-    if hit is None or hit[0] != key:
-        hit = (key, make())
+    if (hit is None or hit[1] != key or len(hit[0]) != len(srcs)
+            or any(ref() is not t for ref, t in zip(hit[0], srcs))):
+        hit = ([weakref.ref(t) for t in srcs], key, make())
         layer._kiln_dequant = hit
-    return hit[1]
+    return hit[2]
 
 
 def _scaled_mm_ok(x: torch.Tensor, layer) -> bool:
