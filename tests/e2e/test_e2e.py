@@ -78,6 +78,11 @@ def test_apply_ready_answer_delete_reapply(stack, ns, measure):
     print(f"[e2e] Q: {QUESTION}\n[e2e] A: {answer}")
     assert "paris" in answer.lower(), answer
     measure("apply -> first answer (uncached)", time.monotonic() - t0)
+    # the serving pods keep Triton's kernel cache on the engine claim (runtime.compileCache)
+    ctr = json.loads(stack.kubectl("get", "deployment", name, "-n", ns, "-o", "json"))["spec"]["template"]["spec"][
+        "containers"][0]
+    assert {"name": "TRITON_CACHE_DIR", "value": "/var/cache/kiln/triton"} in ctr["env"], ctr["env"]
+    assert any(m.get("subPath") == ".compile-cache" and not m.get("readOnly") for m in ctr["volumeMounts"])
 
     # Deleting the resource removes its pods and jobs; the engine (claim, record, files) stays.
     stack.kubectl("delete", "inferenceengine", name, "-n", ns, "--wait=true", "--timeout=120s")
@@ -88,6 +93,8 @@ def test_apply_ready_answer_delete_reapply(stack, ns, measure):
     assert records, "the engine record went away with the resource"
     engine_dirs = list((stack.state_dir.parent / "volumes").glob(f"{ns}_kiln-engine-cache_*/{h}"))
     assert engine_dirs and (engine_dirs[0] / "manifest.json").exists(), "the engine files went away"
+    # kiln serve found TRITON_CACHE_DIR writable on the claim and created it there
+    assert (engine_dirs[0].parent / ".compile-cache" / "triton").is_dir()
 
     # Re-applying reuses the engine: no build Job, Ready faster.
     stack.apply_file(EXAMPLE, ns)
