@@ -136,7 +136,7 @@ def _paged_attn_kernel(
     WORDS: tl.constexpr = 0,  # fp8 + F16_DOT: bit 0 reads K, bit 1 V as int32 words (see _e4m3_words_to_f16)
     CVT_PTX: tl.constexpr = 0,  # WORDS conversion through PTX (GPU) instead of integer arithmetic
     PDL: tl.constexpr = False,
-    cnt_ptr=None,  # FUSED_MERGE: int32 arrival counters, one per (program, KV head), zero between launches
+    cnt_ptr=None,  # int32 arrival counters, one per (program, KV head), zero between launches (read with FUSED_MERGE)
     FUSED_MERGE: tl.constexpr = False,  # decode with splits: the last split of a KV head merges (no merge launch)
     SPLITS_P2: tl.constexpr = 1,  # NUM_SPLITS rounded up to a power of two (FUSED_MERGE)
 ):
@@ -468,7 +468,9 @@ def paged_attention(
         part_l = part[:, BLOCK_D + 1]
     else:
         part_acc = part_m = part_l = out  # unused
-    fused: dict = {}  # the "mma" decode may merge its splits in the same launch (below)
+    # the "mma" decode may merge its splits in the same launch (below); otherwise cnt_ptr is never
+    # read, and gets an int32 tensor anyway (no None argument reaches a compiled launch)
+    fused: dict = {"cnt_ptr": seq_lens}
     if kernel == "cuda_core":
         paged_decode_cuda_core(q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, seq_lens,
                                cu_seqlens_q, ks, vs, scale, splits, BLOCK_D, part_stride, cfg)
@@ -476,7 +478,7 @@ def paged_attention(
         # decode with splits: the last split of each KV head reduces them (``FUSED_MERGE``,
         # arrival counters as in ``kiln.kernels.splitk``) instead of a second launch
         if decode and splits > 1 and _fused_merge(cfg):
-            fused = dict(cnt_ptr=counters(q.device, grid0 * Hkv), FUSED_MERGE=True,
+            fused.update(cnt_ptr=counters(q.device, grid0 * Hkv), FUSED_MERGE=True,
                          SPLITS_P2=next_power_of_2(splits))
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
         f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
@@ -504,7 +506,7 @@ def paged_attention(
             **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
             **launch_kwargs(q.device), **fused,
         )
-    if splits > 1 and not fused:
+    if splits > 1 and not fused.get("FUSED_MERGE"):
         _merge_splits_kernel[(T, Hq)](
             out, part_acc, part_m, part_l,
             out.stride(0), out.stride(1), Hq * splits, splits, D,
