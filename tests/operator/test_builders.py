@@ -173,6 +173,13 @@ def test_serving_pods_keep_the_triton_cache_on_the_engine_claim():
     assert c.COMPILE_CACHE_MOUNT not in {m["mountPath"] for m in container(d)["volumeMounts"]}
     assert "TRITON_CACHE_DIR" not in {e["name"] for e in container(d)["env"]}
 
+    rox = copy.deepcopy(SPEC)  # a claim that mounts only read-only: no writable subPath on it
+    rox["storage"] = {"claimName": "engines", "create": False, "accessModes": ["ReadOnlyMany"]}
+    d = b.deployment(rox, H, OWNER, replicas=1)
+    assert c.COMPILE_CACHE_MOUNT not in {m["mountPath"] for m in container(d)["volumeMounts"]}
+    assert {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}["engines"][
+        "persistentVolumeClaim"]["readOnly"] is True
+
     own = copy.deepcopy(SPEC)
     own["runtime"]["env"] = [{"name": "TRITON_CACHE_DIR", "value": "/tmp/mine"}]
     env = [e for e in container(b.deployment(own, H, OWNER, replicas=1))["env"] if e["name"] == "TRITON_CACHE_DIR"]

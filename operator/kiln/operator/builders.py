@@ -116,7 +116,11 @@ def storage(spec: Mapping[str, Any]) -> Obj:
 
 def compile_cache(spec: Mapping[str, Any]) -> bool:
     """``spec.runtime.compileCache`` (default true): the serving pods keep Triton's kernel
-    cache on the engine cache claim (``kiln.runtime.compile_cache``)."""
+    cache on the engine cache claim (``kiln.runtime.compile_cache``).  Off for a claim that can
+    only be mounted read-only (``accessModes: [ReadOnlyMany]``)."""
+    modes = set(storage(spec).get("accessModes") or [])
+    if modes and modes <= {"ReadOnlyMany"}:
+        return False
     return bool((spec.get("runtime") or {}).get("compileCache", True))
 
 
