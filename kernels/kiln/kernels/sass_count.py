@@ -3,7 +3,8 @@
 Usage (from the repository root; needs only Triton's bundled ptxas/nvdisasm)::
 
     PYTHONPATH=kernels python3 -m kiln.kernels.sass_count [--cache fp8|bf16] [--G 4] [--D 128]
-        [--block-n 64] [--num-warps 4] [--num-stages 2] [--dump DIR]
+        [--block-n 64] [--num-warps 4] [--num-stages 2] [--splits 2] [--fused-merge] [--dump DIR]
+    PYTHONPATH=kernels python3 -m kiln.kernels.sass_count --gemv2 32,2048,4,1   # W4A16 gemv2 instead
 
 Compiles ``decode_attention._decode_cuda_core_kernel`` (``cuda_core``) and
 ``attention._paged_attn_kernel`` in decode mode (``mma``) for sm_90 with the launch
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -98,7 +100,8 @@ def _common_types(cache: str, qdtype: str) -> dict:
             "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_ptr": "*i32",
             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_scale_val": "fp32", "v_scale_val": "fp32",
-            "sm_scale": "fp32", "k_scale_stride": "i32", "v_scale_stride": "i32", "num_seqs": "i32"}
+            "sm_scale": "fp32", "k_scale_stride": "i32", "v_scale_stride": "i32", "num_seqs": "i32",
+            "cnt_ptr": "*i32"}
 
 
 def count_cuda_core(cache="fp8", G=4, D=128, block_n=64, num_warps=4, num_stages=2, splits=2, block_size=16,
@@ -117,16 +120,41 @@ def count_cuda_core(cache="fp8", G=4, D=128, block_n=64, num_warps=4, num_stages
 
 
 def count_mma(cache="fp8", G=4, D=128, block_n=128, num_warps=4, num_stages=3, splits=2, block_size=16,
-              dump=None, fp8_words=0) -> dict:
+              dump=None, fp8_words=0, fused_merge=False) -> dict:
     scale_mode = 1 if cache == "fp8" else 0
     k = _compile(_paged_attn_kernel, _common_types(cache, "bf16"),
                  dict(HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(G)),
                       BLOCK_N=block_n, BLOCK_D=D, NUM_SPLITS=splits, IS_DECODE=True, PART_STRIDE=D + 4,
                       K_SCALE_MODE=scale_mode, V_SCALE_MODE=scale_mode, DOT_PREC="tf32",
                       F16_DOT=cache == "fp8", WORDS=fp8_words if cache == "fp8" else 0,
-                      CVT_PTX=bool(fp8_words) and cache == "fp8"), num_warps, num_stages)
+                      CVT_PTX=bool(fp8_words) and cache == "fp8", FUSED_MERGE=fused_merge,
+                      SPLITS_P2=triton.next_power_of_2(splits)), num_warps, num_stages)
     return _report("mma", k, block_n, num_warps,
-                   dict(cache=cache, G=G, D=D, num_stages=num_stages, fp8_words=fp8_words), dump)
+                   dict(cache=cache, G=G, D=D, num_stages=num_stages, fp8_words=fp8_words, splits=splits,
+                        fused_merge=fused_merge), dump)
+
+
+def count_gemv2(block_n=32, block_k=2048, num_warps=4, prefetch=1, group_size=128, block_m=1, split=False) -> dict:
+    """SASS of ``w4a16._gemv2_kernel`` (bf16 x, unit column strides as launched): registers,
+    global load widths in the whole kernel, and the steady-state loop's instructions per step
+    and per weight and thread (``BLOCK_N * BLOCK_K / (32 num_warps)`` weights per thread)."""
+    from kiln.kernels.w4a16 import _gemv2_kernel
+
+    types = {a: "*bf16" for a in _gemv2_kernel.arg_names if a.endswith("_ptr")}
+    types.update({"xw_ptr": "*i64", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "part_ptr": "*fp32",
+                  "cnt_ptr": "*i32"})
+    ones = {n: 1 for n in ("stride_qn", "stride_sn", "stride_zn", "stride_on")}  # specialized at launch
+    k = _compile(_gemv2_kernel, types,
+                 dict(ones, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, CHAIN=8,
+                      HAS_SPLIT=split, NUM_STAGES=1, X_BF16=True, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True,
+                      PDL=True, PREFETCH=prefetch), num_warps, 1)
+    lines, usage = _sass(k)
+    n, ops = inner_loop(lines)
+    loads = collections.Counter(m.group(1) for m in map(_INSTR.match, lines) if m and m.group(1).startswith("LDG"))
+    per_thread = block_m * block_n * block_k / (32 * num_warps)
+    return {"kernel": "gemv2", "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "PREFETCH": prefetch,
+            "resources": usage, "loop_instrs_per_warp": n, "instrs_per_weight_per_thread": n / per_thread,
+            "global_loads": dict(loads), "top_ops": ops.most_common(10)}
 
 
 def _report(name, kernel, block_n, warps, info, dump) -> dict:
@@ -159,11 +187,23 @@ def main(argv=None):
     ap.add_argument("--mma-block-n", type=int, default=128, help="BLOCK_N of the mma kernel")
     ap.add_argument("--mma-stages", type=int, default=3, help="num_stages of the mma kernel")
     ap.add_argument("--fp8-words", type=int, default=0, help="mma kernel, fp8: fp8_words (0-3; 2 = V as int32 words)")
+    ap.add_argument("--splits", type=int, default=2, help="decode context splits (NUM_SPLITS)")
+    ap.add_argument("--fused-merge", action="store_true", help="mma kernel: splits merged in the same launch")
+    ap.add_argument("--gemv2", default=None, metavar="BN,BK,WARPS,PREFETCH",
+                    help="instead: the W4A16 gemv2 kernel at this config (e.g. 32,2048,4,1, the qkv M = 1 TUNED one)")
     a = ap.parse_args(argv)
-    rows = [count_cuda_core(a.cache, a.G, a.D, a.block_n, a.num_warps, a.num_stages, dump=a.dump, prefetch=a.prefetch)]
+    if a.gemv2:
+        try:
+            bn, bk, w, pf = (int(v) for v in a.gemv2.split(","))
+        except ValueError:
+            ap.error(f"--gemv2 wants four integers BN,BK,WARPS,PREFETCH, got {a.gemv2!r}")
+        print(json.dumps(count_gemv2(bn, bk, w, pf)))
+        return
+    rows = [count_cuda_core(a.cache, a.G, a.D, a.block_n, a.num_warps, a.num_stages, a.splits, dump=a.dump,
+                            prefetch=a.prefetch)]
     if not a.no_mma:
-        rows.append(count_mma(a.cache, a.G, a.D, a.mma_block_n, a.num_warps, a.mma_stages, dump=a.dump,
-                              fp8_words=a.fp8_words))
+        rows.append(count_mma(a.cache, a.G, a.D, a.mma_block_n, a.num_warps, a.mma_stages, a.splits, dump=a.dump,
+                              fp8_words=a.fp8_words, fused_merge=a.fused_merge))
     for r in rows:
         print(f"{r['kernel']:9s} {r['cache']} G{r['G']} D{r['D']} BLOCK_N={r['BLOCK_N']} warps={r['num_warps']} "
               f"stages={r['num_stages']}: {r['loop_instrs_per_warp']} instrs/iteration/warp -> "

@@ -311,7 +311,8 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
     mounts: list[Obj] = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT, "readOnly": True},
                          {"name": "tmp", "mountPath": c.TMP_MOUNT},
                          {"name": "dshm", "mountPath": "/dev/shm"}]
-    if compile_cache(spec):
+    cache = compile_cache(spec)
+    if cache:
         # Triton's kernel cache on the claim: later pods (rollouts, scale-ups) skip the compiles
         mounts.append({"name": "engines", "mountPath": c.COMPILE_CACHE_MOUNT, "subPath": c.COMPILE_CACHE_SUBPATH})
         if not any(e["name"] == "TRITON_CACHE_DIR" for e in user_env):
@@ -350,7 +351,7 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
                          {"name": "engines", "persistentVolumeClaim": {
                              "claimName": storage(spec)["claimName"],
                              # read-only unless the compile cache needs its one writable subPath
-                             "readOnly": not compile_cache(spec)}},
+                             "readOnly": not cache}},
                          {"name": "tmp", "emptyDir": {}},
                          {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
                      **_pod_placement(spec)},
