@@ -27,7 +27,7 @@ tail -5 "$OUT/tests.log"
 fi
 if [[ $parts == *" decode "* ]]; then
 for m in bf16 int4 int4-lmhead; do
-    timeout 150 python3 tests/gpu/decode_steps.py "$m" 2>&1 | tail -1 | tee -a "$OUT/decode.log"
+    timeout 150 python3 tests/gpu/decode_steps.py "$m" --profile 2>&1 | tail -2 | tee -a "$OUT/decode.log"
 done
 for m in bf16 int4; do
     KILN_ATTN_FUSED_MERGE=1 timeout 150 python3 tests/gpu/decode_steps.py "$m" 2>&1 | tail -1 \

@@ -467,9 +467,13 @@ def _quantize_dummy(model, method: str, group_size: int = 128, lm_head: bool = F
     torch.cuda.empty_cache()
 
 
-def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: int = 1) -> list[dict]:
+def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: int = 1,
+                 profile_tokens: int = 0) -> list[dict]:
     """Greedy decode of ``batch`` 32-token prompts (``new_tokens`` each) per weight method:
-    output tokens/s and ms per step (one token per sequence)."""
+    output tokens/s and ms per step (one token per sequence).  With ``profile_tokens`` > 0, a
+    further generate of that many tokens runs under the torch profiler and each row gets
+    ``profile``: the 16 kernels of most GPU time, as (name, microseconds per step, launches per
+    step), and ``profile_gpu_us``, the GPU time of all kernels per step."""
     from ..llm import LLM
     from ..model_runner import ModelRunner
     from ..sampling_params import SamplingParams
@@ -518,6 +522,8 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
             rows.append({"method": method, "batch": batch, "new_tokens": n, "tok_s": n / wall,
                          "ms_per_token": wall / (n / batch) * 1e3,
                          "load_s": load_s, "weights_GiB": torch.cuda.memory_allocated() / 2**30})
+            if profile_tokens > 0:
+                rows[-1].update(_profile_decode(llm, prompt, profile_tokens))
             print(json.dumps(rows[-1]), flush=True)
             del llm
             torch.cuda.empty_cache()
@@ -533,6 +539,24 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
             else:
                 os.environ["KILN_PDL"] = pdl_env
     return rows
+
+
+def _profile_decode(llm, prompt, tokens: int) -> dict:
+    """Per-kernel GPU time of ``tokens`` decode steps (the prefill's few kernels are included
+    but are a small share over a long generate)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, sp)
+        torch.cuda.synchronize()
+    ka = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    top = sorted(ka, key=lambda e: e.self_device_time_total, reverse=True)[:16]
+    return {"profile_gpu_us": sum(e.self_device_time_total for e in ka) / tokens,
+            "profile": [(e.key[:70], round(e.self_device_time_total / tokens, 2), round(e.count / tokens, 2))
+                        for e in top]}
 
 
 def main() -> None:
