@@ -81,6 +81,13 @@ KERNELS = {
                              dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=32, BLOCK_K=2048, CHAIN=8, HAS_SPLIT=False,
                                   NUM_STAGES=1, X_BF16=True, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True,
                                   PREFETCH=1), 4, 1),
+    # EARLY: the first weight step is loaded before the wait (``w4a16.early_fetch``): only
+    # loads may come before it (the test checks that they are there and that no store does)
+    "w4a16_gemv2_early": (w4a16._gemv2_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
+                                                "cnt_ptr": _I32}, {},
+                          dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=32, BLOCK_K=2048, CHAIN=8, HAS_SPLIT=True,
+                               NUM_STAGES=1, X_BF16=True, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True,
+                               PREFETCH=1, EARLY=True), 4, 1),
     "w4a16_gemvt": (w4a16_gemvt._gemvt_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
                                                 "cnt_ptr": _I32}, {},
                     dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=16, BLOCK_K=2048, HAS_SPLIT=True, X_BF16=True, ASM=True,
@@ -105,9 +112,14 @@ def check(name: str, pdl: bool) -> dict:
     types.update(scalars)
     lines, _ = _sass(_compile(fn, types, dict(constexprs, PDL=pdl), warps, stages))
     ops = [m.group(1) for m in map(_OP.match, lines) if m]
-    mem = [i for i, line in enumerate(l for l in lines if _OP.match(l)) if _MEM.match(line)]
+    kinds = [(i, _MEM.match(line).group(1)) for i, line in enumerate(l for l in lines if _OP.match(l))
+             if _MEM.match(line)]
+    mem = [i for i, _ in kinds]
     find = lambda op: next((i for i, o in enumerate(ops) if o.startswith(op)), -1)  # noqa: E731
-    return {"wait": find("ACQBULK"), "trigger": find("PREEXIT"), "first_global": mem[0] if mem else -1,
+    wait = find("ACQBULK")
+    writes = [i for i, k in kinds if k not in ("LDG", "LD", "LDGSTS", "UTMALDG", "UBLKPF")]
+    return {"wait": wait, "trigger": find("PREEXIT"), "first_global": mem[0] if mem else -1,
+            "first_write": writes[0] if writes else -1, "loads_before_wait": sum(1 for i in mem if i < wait),
             "instructions": len(ops)}
 
 

@@ -37,8 +37,12 @@ def test_every_pdl_kernel_waits_before_global_memory():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    kernels = [k for k in out if not k.endswith(":off")]
+    kernels = [k for k in out if not k.endswith(":off") and not k.endswith("_early")]
     assert len(kernels) >= 16, kernels
+    early = out["w4a16_gemv2_early"]  # weights only before the wait: loads, no store or atomic
+    assert early["wait"] >= 0 and early["loads_before_wait"] >= 8, early
+    assert early["first_write"] > early["wait"] and early["trigger"] > early["wait"], early
+    assert out["w4a16_gemv2_prefetch"]["loads_before_wait"] == 0, out["w4a16_gemv2_prefetch"]
     for name in kernels:
         r = out[name]
         assert r["wait"] >= 0, f"{name}: no griddepcontrol.wait with PDL on: {r}"

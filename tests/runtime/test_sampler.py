@@ -30,6 +30,25 @@ def test_greedy_is_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_chunked_argmax_matches_argmax_with_ties_and_nan():
+    """The two-pass greedy argmax (CUDA path of ``greedy_argmax``) picks what ``argmax`` picks:
+    the first maximum when it repeats within a chunk and across chunks, a NaN when there is one."""
+    from kiln.runtime.sampler import _argmax_chunk, _chunked_argmax
+
+    assert _argmax_chunk(128256) == 501 * 2 and 128256 % _argmax_chunk(128256) == 0
+    assert _argmax_chunk(49152) == 1024 and _argmax_chunk(1031) == 0  # a prime: one pass
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4096, generator=g)
+    logits[1, [700, 701, 3000]] = 9.0  # tie within a chunk and across chunks: 700
+    logits[2, [3000, 100]] = 9.0  # the later chunk written first: 100
+    logits[3, 2048] = float("nan")
+    logits[4] = 0.0  # all equal: 0
+    logits[5, [4095, 4094]] = float("inf")
+    for c in (128, 256, 512, 1024):
+        got = _chunked_argmax(logits, c)
+        assert got.tolist() == logits.argmax(-1).tolist() == [got[0].item(), 700, 100, 2048, 0, 4094], c
+
+
 def test_top_k_only_keeps_k():
     logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
     freq = _draws(logits, top_k=2, temperature=1.0)

@@ -474,9 +474,15 @@ def _gemv2_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHAIN: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, X_BF16: tl.constexpr,
     ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, EARLY: tl.constexpr = False,
 ):
-    pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
+    if EARLY == 0:
+        pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
+    # EARLY (with PREFETCH 1): the first step's packed words, scales and zero points are loaded
+    # *before* the programmatic-dependent-launch wait: the weights are constants, so their loads
+    # need not wait for the predecessor kernel (in a decode step a norm, the attention merge or
+    # SiLU-and-mul: short, latency-bound kernels that leave the memory system idle); x, the
+    # partials and the split-K counters are touched only after the wait.
     # PREFETCH 1: the next step's packed words, scales and zero points are loaded before this
     # step's math (register double buffering: a warp keeps a step of loads in flight while it
     # computes; the last step re-reads itself, an L2 hit, instead of a masked load).
@@ -510,6 +516,8 @@ def _gemv2_kernel(
         f0, f1, f2, f3, f4, f5, f6, f7, fs_lo, fs_hi, fz1, fz2 = _gemv2_fetch(
             qw_ptr, s_ptr, z_ptr, kf, n2, (kf < K) & mask_n, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg,
             stride_zn, GROUP_SIZE, EVEN)
+    if EARLY:
+        pdl_start(PDL)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kb = k0 + 64 * rb  # [RB, 1] first K column of the block row
         mk = kb < K
@@ -678,6 +686,20 @@ def m_bucket(M: int) -> int:
 SMALL_M_KERNEL = os.environ.get("KILN_W4A16_SMALL_M", "")
 
 KERNELS = ("gemv", "gemv2", "gemvt", "mma", "swap", "dequant")
+
+
+def early_fetch() -> bool:
+    """Whether ``gemv2`` loads its first weight step before the programmatic-dependent-launch
+    wait (``EARLY``; with PDL only, and it implies ``PREFETCH`` 1): ``KILN_W4A16_EARLY``
+    (``0``/``1``, read at every launch) or the measured default ``EARLY_FETCH``.  A config's
+    own ``EARLY`` key wins over both."""
+    raw = os.environ.get("KILN_W4A16_EARLY", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"KILN_W4A16_EARLY must be 0 or 1, got {raw!r}")
+    return EARLY_FETCH if raw == "" else raw == "1"
+
+
+EARLY_FETCH = False
 # From this M on (CUDA), ``choose_config`` dequantizes the weight and runs cuBLAS
 # (``w4a16_dequant``).  H200, Llama-3.1-8B projections (docs/benchmarks.md, session 8): at
 # M = 65 3.5x (qkv), 4.8x (o), 1.6x (gate_up), 5.0x (down) faster than the fused ``mma``
@@ -898,6 +920,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         part = cnt = out
     if cfg["KERNEL"] == "gemv2":
         xw = _gemv2_x(x)
+        pdl = launch_kwargs(x.device)
+        early = bool(pdl["PDL"]) and bool(cfg.get("EARLY", early_fetch()))
         _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split, split,
                             xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
                             qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
@@ -905,7 +929,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                             CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=split > 1, NUM_STAGES=cfg["num_stages"],
                             X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
                             EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
-                            PREFETCH=cfg.get("PREFETCH", 0), num_warps=cfg["num_warps"], **launch_kwargs(x.device))
+                            PREFETCH=1 if early else cfg.get("PREFETCH", 0), EARLY=early, num_warps=cfg["num_warps"],
+                            **pdl)
         return out
     if cfg["KERNEL"] == "dequant":  # large M: dequantize once, then a dense GEMM (cuBLAS on CUDA)
         from .w4a16_dequant import dequantize  # noqa: PLC0415

@@ -168,6 +168,35 @@ def _index(rows: list[int], dev: torch.device) -> torch.Tensor:
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
+def _argmax_chunk(vocab: int) -> int:
+    """The chunk length of ``greedy_argmax``'s first pass: the largest divisor of ``vocab`` in
+    [128, 1024] (0 when there is none: one pass)."""
+    return next((c for c in range(1024, 127, -1) if vocab % c == 0), 0)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for float32 ``[S, vocab]`` logits (int64 ``[S]``), in two passes on
+    CUDA when S is small: the argmax of each ``vocab / C``-chunk, then of the chunks' maxima.
+    torch's single-row reduction runs on a few blocks (H200: 28-35 us for a 128256-token row,
+    1.5 % of a batch-1 int4 decode step); the chunked form spreads the row over the GPU.
+    Ties and NaN resolve as ``argmax``: the first maximal index (a NaN counts as the maximum),
+    because the first pass keeps each chunk's first maximum and the second the first chunk."""
+    S, V = logits.shape
+    c = _argmax_chunk(V)
+    if not logits.is_cuda or S > 16 or c == 0 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    return _chunked_argmax(logits, c)
+
+
+def _chunked_argmax(logits: torch.Tensor, c: int) -> torch.Tensor:
+    """``greedy_argmax``'s two passes over contiguous ``[S, vocab]`` logits, ``vocab % c == 0``."""
+    S, V = logits.shape
+    chunks = logits.view(S, V // c, c)
+    first = chunks.argmax(dim=-1)  # [S, V / C] index in its chunk
+    best = chunks.gather(2, first.unsqueeze(-1)).squeeze(-1).argmax(dim=-1)  # [S] chunk
+    return best * c + first.gather(1, best.unsqueeze(-1)).squeeze(-1)
+
+
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
     """Pick one token per row without reading anything back to the host.
 
@@ -196,7 +225,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
         logits.view(-1).index_fill_(0, idx, float("-inf"))
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        chosen = logits.argmax(dim=-1)
+        chosen = greedy_argmax(logits)
     else:
         chosen = torch.empty(S, dtype=torch.int64, device=dev)
         g_idx = [i for i in range(S) if greedy[i]]

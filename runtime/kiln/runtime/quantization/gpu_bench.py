@@ -282,6 +282,68 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
+def bench_early(ms=(1, 2), shapes: dict | None = None) -> list[dict]:
+    """``gemv2`` with its first weight step loaded before the programmatic-dependent-launch wait
+    (``KILN_W4A16_EARLY=1``, ``w4a16.early_fetch``) against after it (``0``), PDL on, the ``TUNED``
+    config otherwise: the GEMM chain alone and each GEMM preceded by the add + RMSNorm that feeds
+    it (as in a decode step), microseconds per GEMM; outputs must be bit-identical."""
+    from kiln.kernels.norm import fused_add_rms_norm
+    from kiln.kernels.w4a16 import w4a16_gemm
+
+    env = {k: os.environ.get(k) for k in ("KILN_PDL", "KILN_W4A16_EARLY")}
+    rows = []
+    try:
+        os.environ["KILN_PDL"] = "1"
+        for name, (N, K) in (shapes or SHAPES).items():
+            w, q = _weight_copies(N, K)
+            del w
+            nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+            for M in ms:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                row = {"shape": name, "M": M}
+
+                def w4(p, a=x):
+                    return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"])
+
+                def w4n(p):
+                    return w4(p, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+
+                outs = {}
+                for tag in ("0", "1"):
+                    os.environ["KILN_W4A16_EARLY"] = tag
+                    outs[tag] = w4(q[0])
+                    row[f"early{tag}_us"] = graph_time([lambda p=p: w4(p) for p in q]) * 1e6
+                    row[f"norm+early{tag}_us"] = graph_time([lambda p=p: w4n(p) for p in q]) * 1e6
+                row["identical"] = bool(torch.equal(outs["0"], outs["1"]))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del q
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return rows
+
+
+def bench_argmax(vocab: int = 128256, batches=(1, 4, 16)) -> list[dict]:
+    """Greedy sampling's argmax over float32 logits: torch's ``argmax`` against the sampler's
+    two-pass ``greedy_argmax``, microseconds per call (CUDA graph of 20 calls)."""
+    from ..sampler import greedy_argmax
+
+    rows = []
+    for S in batches:
+        logits = torch.randn(S, vocab, device="cuda")
+        same = bool(torch.equal(greedy_argmax(logits), logits.argmax(-1)))
+        row = {"S": S, "vocab": vocab, "argmax_us": graph_time([lambda: logits.argmax(-1)] * 20) * 1e6,
+               "greedy_argmax_us": graph_time([lambda: greedy_argmax(logits)] * 20) * 1e6, "same": same}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def bench_pdl(ms=(1, 2, 4, 8, 16)) -> list[dict]:
     """Programmatic dependent launch (``kiln.kernels.pdl``, ``KILN_PDL``) on and off.
 
@@ -565,7 +627,8 @@ def main() -> None:
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode",
                    help="comma list of w4a16, w4a16-kmajor (the same sweep on K-major weights), w4a16-large "
-                        "(prefill M: fused mma vs dequantize + cuBLAS vs bf16, N- and K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, floor, fp8, decode")
+                        "(prefill M: fused mma vs dequantize + cuBLAS vs bf16, N- and K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, early (gemv2's weight loads before the PDL wait, "
+                        "on vs off), argmax (greedy sampling's argmax), floor, fp8, decode")
     p.add_argument("--ms", default="1,2,4,8,16", help="M values of the w4a16 sweeps")
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help=f"shapes of the w4a16 / w4a16-kmajor sweeps, a comma list of {', '.join(ALL_SHAPES)}")
@@ -598,6 +661,10 @@ def main() -> None:
         res["w4a16_large"] = bench_w4a16_large()
     if "pdl" in only:
         res["pdl"] = bench_pdl()
+    if "early" in only:
+        res["early"] = bench_early(tuple(m for m in ms if m <= 2) or (1,), shapes=shapes)
+    if "argmax" in only:
+        res["argmax"] = bench_argmax()
     if "floor" in only:
         res["read_floor"] = bench_read_floor()
     if "fp8" in only:
