@@ -65,6 +65,51 @@ def test_float32_output(kernel, bm, split):
         w4a16_gemm(x, qw, s, z, out_dtype=torch.int32)
 
 
+def _swiglu_ref(x, qw, s, z):
+    y = w4a16_ref(x.float(), qw, s, z)
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("M,I,K,G,bn,prefetch,dtype", [(1, 48, 256, 64, 32, 0, torch.float16),
+                                                       (2, 72, 128, 32, 16, 1, torch.bfloat16),
+                                                       (3, 64, 192, 64, 8, 0, torch.float16)])
+def test_gemv2_fused_silu_and_mul(monkeypatch, M, I, K, G, bn, prefetch, dtype):
+    """``silu_and_mul=True`` on a gate|up weight [2I, K]: the gemv2 epilogue (no K split) gives
+    silu(gate) * up of the reference (I not a multiple of the half tile: masked columns), and
+    equals the unfused path (GEMM, then ``activation.silu_and_mul``) up to one rounding; a K split
+    or ``KILN_W4A16_FUSED_SILU=0`` takes the unfused path."""
+    qw, s, z = make_weight(2 * I, K, G, seed=5)
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    cfg = {"KERNEL": "gemv2", "BLOCK_M": min(4, 1 << (M - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": 128,
+           "SPLIT_K": 1, "num_warps": 1, "num_stages": 1, "CHAIN": 8, "PREFETCH": prefetch}
+    ref = _swiglu_ref(x, qw, s, z)
+    fused = w4a16_gemm(x, qw, s, z, config=cfg, silu_and_mul=True)
+    assert fused.shape == (M, I) and fused.dtype == dtype
+    assert rel_err(fused, ref) < (3e-3 if dtype == torch.float16 else 1e-2)
+    monkeypatch.setenv("KILN_W4A16_FUSED_SILU", "0")
+    unfused = w4a16_gemm(x, qw, s, z, config=cfg, silu_and_mul=True)
+    assert rel_err(unfused, ref) < 1e-2 and rel_err(fused, unfused) < 1e-2
+    monkeypatch.delenv("KILN_W4A16_FUSED_SILU")
+    split = w4a16_gemm(x, qw, s, z, config=dict(cfg, SPLIT_K=2), silu_and_mul=True)
+    assert rel_err(split, ref) < 1e-2
+    with pytest.raises(ValueError, match="even N"):
+        w4a16_gemm(x, qw[:, :-1], s[:, :-1], z[:, :-1], config=cfg, silu_and_mul=True)
+    monkeypatch.setenv("KILN_W4A16_FUSED_SILU", "yes")
+    with pytest.raises(ValueError, match="KILN_W4A16_FUSED_SILU"):
+        w4a16_gemm(x, qw, s, z, config=cfg, silu_and_mul=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv2_fused_silu_llama8b_gate_up(M):
+    """The fused SwiGLU epilogue at the Llama-3.1-8B gate_up shape with its TUNED config."""
+    qw, s, z = make_weight(28672, 4096, 128)
+    x = torch.randn(M, 4096, device=DEVICE, dtype=torch.bfloat16)
+    assert rel_err(w4a16_gemm(x, qw, s, z, silu_and_mul=True), _swiglu_ref(x, qw, s, z)) < 1e-2
+
+
 @pytest.mark.parametrize("kernel", ["gemv", "mma"])
 @pytest.mark.parametrize("split,bk,G", [(1, 64, 64), (2, 64, 128), (3, 128, 128), (4, 128, 32), (2, 128, 64)])
 def test_kernels_split_k_and_strided_input(kernel, split, bk, G):
@@ -255,6 +300,18 @@ def test_tuned_configs_every_group_size(M, N, K, G):
     qw, s, z = make_weight(N, K, G)
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     assert rel_err(w4a16_gemm(x, qw, s, z), w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("G", [32, 128])
+@pytest.mark.parametrize("M", [1, 2])
+def test_tuned_lm_head_float32_logits(M, G):
+    """The quantized LM head's launch (``TUNED`` at 128256 x 4096, M = 1) with float32 logits."""
+    qw, s, z = make_weight(128256, 4096, G)
+    x = torch.randn(M, 4096, device=DEVICE, dtype=torch.bfloat16)
+    out = w4a16_gemm(x, qw, s, z, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and rel_err(out, w4a16_ref(x.float(), qw, s, z)) < GEMV2_TOL[torch.float16]
 
 
 SWAP_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])  # the interpreter has no bfloat16 dot

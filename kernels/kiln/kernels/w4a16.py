@@ -474,7 +474,7 @@ def _gemv2_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHAIN: tl.constexpr, HAS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, X_BF16: tl.constexpr,
     ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, EARLY: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0, EARLY: tl.constexpr = False, GATED: tl.constexpr = False,
 ):
     if EARLY == 0:
         pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
@@ -494,10 +494,18 @@ def _gemv2_kernel(
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     RB: tl.constexpr = BLOCK_K // 64
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_N // 2
+    if GATED:  # SiLU-and-mul epilogue: N is the intermediate size I of a [2I, K] gate|up weight;
+        # tile columns [0, HALF) are gate columns, [HALF, BLOCK_N) the up columns I later
+        c = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + c % HALF
+        offs_n = col + (c // HALF) * N  # contiguous runs of HALF columns (vector loads stay)
+        mask_n = (col < N)[None, :]
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n < N)[None, :]
     rb = tl.arange(0, RB)[:, None]  # [RB, 1]
     n2 = offs_n[None, :]  # [1, BLOCK_N]
-    mask_n = n2 < N
     m0 = pid_m * BLOCK_M
     acc0 = tl.zeros((RB, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((RB, BLOCK_N), dtype=tl.float32)
@@ -562,8 +570,16 @@ def _gemv2_kernel(
                 acc0, acc1, acc2, acc3 = _h2_flush4(acc0, acc1, acc2, acc3, h0, h1, h2, h3, s_lo, s_hi, BLOCK_M, ASM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     y = _h2_rows_out(acc0, acc1, acc2, acc3, BLOCK_M)
-    _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
-            pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
+    if GATED:  # silu(gate) * up from the float32 sums (no split: the launcher asks for SPLIT_K 1)
+        gate, up = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        offs_h = pid_n * HALF + tl.arange(0, HALF)
+        mask = (offs_m < M)[:, None] & (offs_h < N)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_h[None, :] * stride_on,
+                 act.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        _finish(y, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, pid_k,
+                pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_SPLIT)
 
 
 @triton.jit
@@ -649,6 +665,9 @@ TUNED: dict[tuple[int, int, int], dict] = {
     (4096, 14336, 4): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.6 us, 1.49x bf16 (session 7)
     (4096, 14336, 8): {"KERNEL": "swap", "BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 22.7 us, 1.49x bf16 (session 7)
     (4096, 14336, 16): {"KERNEL": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, "SPLIT_K": 8},  # 25.1 us, 1.36x bf16
+    # the LM head (``kiln build --quantize-lm-head``, float32 logits): 79.6 us, 3.53x bf16 cuBLAS
+    # (281 us); the default config took 102 us (session 11)
+    (128256, 4096, 1): {"KERNEL": "gemv2", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 1024, "CHAIN": 8, "num_warps": 4, "num_stages": 1, "PREFETCH": 1, "SPLIT_K": 1},
 }
 
 
@@ -700,6 +719,19 @@ def early_fetch() -> bool:
 
 
 EARLY_FETCH = False
+
+
+def fused_silu() -> bool:
+    """Whether ``w4a16_gemm(..., silu_and_mul=True)`` may fuse SwiGLU into the ``gemv2``
+    epilogue: ``KILN_W4A16_FUSED_SILU`` (``0``/``1``, read at every launch) or the measured
+    default ``FUSED_SILU``."""
+    raw = os.environ.get("KILN_W4A16_FUSED_SILU", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"KILN_W4A16_FUSED_SILU must be 0 or 1, got {raw!r}")
+    return FUSED_SILU if raw == "" else raw == "1"
+
+
+FUSED_SILU = True
 # From this M on (CUDA), ``choose_config`` dequantizes the weight and runs cuBLAS
 # (``w4a16_dequant``).  H200, Llama-3.1-8B projections (docs/benchmarks.md, session 8): at
 # M = 65 3.5x (qkv), 4.8x (o), 1.6x (gate_up), 5.0x (down) faster than the fused ``mma``
@@ -854,8 +886,16 @@ def _check_config(cfg: dict) -> None:
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
-               config: dict | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               config: dict | None = None, out_dtype: torch.dtype | None = None,
+               silu_and_mul: bool = False) -> torch.Tensor:
     """``x`` [M, K] (float16/bfloat16/float32) times the int4 weight -> [M, N] in ``out_dtype``.
+
+    With ``silu_and_mul`` the weight is a fused gate|up projection ``[2I, K]`` and the result
+    is ``silu(y[:, :I]) * y[:, I:]``, ``[M, I]`` (SwiGLU, as ``kiln.kernels.activation``): in
+    the ``gemv2`` kernel's epilogue, from its float32 sums, when the launch is ``gemv2`` without
+    a K split (``fused_silu()``; the decode GEMVs at M = 1, 2), else the GEMM then
+    ``activation.silu_and_mul``.  The fused form saves the SiLU kernel, its launch and the
+    ``[M, 2I]`` round trip, and rounds once (the unfused form rounds y to ``out_dtype`` first).
 
     Args:
         x: activations, any 2-D strides.
@@ -867,7 +907,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     Raises:
         ValueError: shapes or dtypes that do not fit the format, a bad ``out_dtype``, or a
             ``config`` that names no kernel, lacks launch keys or has tiles that are not powers
-            of two.
+            of two; ``silu_and_mul`` with an odd N.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
@@ -911,6 +951,26 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
+    if silu_and_mul:
+        if N % 2:
+            raise ValueError(f"silu_and_mul needs a gate|up weight with an even N, got N={N}")
+        if not (cfg["KERNEL"] == "gemv2" and split == 1 and cfg["BLOCK_N"] >= 4 and fused_silu()):
+            from .activation import silu_and_mul as _silu_and_mul  # noqa: PLC0415
+
+            return _silu_and_mul(w4a16_gemm(x, qweight, scales, qzeros, cfg, out_dtype))
+        out = torch.empty((M, N // 2), dtype=out_dtype, device=x.device)
+        xw = _gemv2_x(x)
+        grid = (triton.cdiv(N // 2, cfg["BLOCK_N"] // 2), triton.cdiv(M, cfg["BLOCK_M"]), 1)
+        _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, out, out, M, N // 2, K, k_per_split, 1,
+                            xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+                            qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
+                            GROUP_SIZE=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+                            CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=False, NUM_STAGES=cfg["num_stages"],
+                            X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
+                            EVEN_N=(N // 2) % (cfg["BLOCK_N"] // 2) == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
+                            PREFETCH=cfg.get("PREFETCH", 0), GATED=True, num_warps=cfg["num_warps"],
+                            **launch_kwargs(x.device))
+        return out
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if split > 1:

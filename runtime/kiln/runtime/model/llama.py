@@ -104,7 +104,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # a quantization method may fuse SwiGLU into the gate|up GEMM (int4: the GEMV epilogue)
+        fused = getattr(self.gate_up_proj.quant_method, "apply_silu_and_mul", None)
+        h = fused(self.gate_up_proj, x) if fused is not None else None
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)) if h is None else h)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -149,6 +149,19 @@ class Int4LinearMethod(LinearMethod):
         y = F.linear(x, w, layer.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
+    def apply_silu_and_mul(self, layer, x: torch.Tensor) -> torch.Tensor | None:
+        """SwiGLU of a fused gate|up layer: ``x`` [T, K] -> ``silu(gate) * up`` [T, I] with the
+        activation in the W4A16 GEMV's epilogue (``w4a16_gemm(..., silu_and_mul=True)``; it
+        falls back to the GEMM and ``silu_and_mul`` where it cannot fuse); None (the caller runs
+        the layer, then the activation) off CUDA or for a layer with a bias."""
+        if not x.is_cuda or layer.bias is not None:
+            return None
+        from kiln.kernels.w4a16 import w4a16_gemm  # noqa: PLC0415
+
+        if cuda_layout() == "kmajor":
+            to_kmajor_(layer)
+        return w4a16_gemm(x, layer.qweight, layer.scales, layer.qzeros, silu_and_mul=True)
+
 
 def cuda_layout() -> str:
     """How the packed buffers are stored on CUDA for serving, from ``KILN_W4A16_LAYOUT``:
