@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of changes that were made while no device time was left (session 10, 2026-12-01):
+# GPU checks of changes that were made while no device time was left (session 10, 2026-12-01;
+# run in session 11, results in docs/benchmarks.md "Session 11"):
 # run it on one H200 through `device` (all three parts take about 10 minutes, more than one call
 # may run: pass the parts, e.g. `tests decode` in one call and `lm_head` in the next), then record
 # the numbers in docs/benchmarks.md and decide the defaults they were waiting for.

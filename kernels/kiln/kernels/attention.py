@@ -8,7 +8,8 @@ One kernel, two launch modes behind one launcher (``paged_attention``):
   slice of the context; with ``num_splits > 1`` the context is split across programs
   (flash-decoding, Dao et al. 2023) and a second kernel merges the partial results with
   their running max and sum (log-sum-exp merge), or, with ``fused_merge`` (config key or
-  ``KILN_ATTN_FUSED_MERGE=1``; off by default until measured), the split of each (sequence,
+  ``KILN_ATTN_FUSED_MERGE=1``; off by default: on the H200 it made batch-1 decode steps slower,
+  docs/benchmarks.md session 11), the split of each (sequence,
   KV head) that finishes last merges them in the same launch, through an arrival counter as
   in TensorRT-LLM's multi-block decode and ``kiln.kernels.splitk``.  Splits are picked from
   the batch shape so that the grid fills the GPU; no device value is read on the host

@@ -20,6 +20,10 @@ programmatic edges (CUDA >= 12.3).
 
 A variant that also asked the L2 to prefetch the GEMV weights before the wait (Hopper's
 ``cp.async.bulk.prefetch.L2``) was measured and dropped (docs/benchmarks.md, session 7).
+Loading the first weight step into registers before the wait (``w4a16`` ``EARLY``,
+``KILN_W4A16_EARLY=1``) sped GEMV chains up alone (qkv 7.5 -> 6.7 us) but not after a norm,
+and made the batch-1 int4 decode step slower (2.229 vs 2.103 ms of GPU per step, session 11):
+off by default.
 
 ``launch_kwargs(device)`` gives the launch arguments: ``PDL=True, launch_pdl=True`` on a CUDA
 device of compute capability >= 9.0 outside the CPU interpreter unless ``KILN_PDL=0``, else

@@ -13,6 +13,9 @@ ATTENTION = {
     # with num_stages=3: 320 us (78.8%); BLOCK_N=128: 297 us; num_warps=8: 361 us.
     # "kernel": "mma" (tensor-core tl.dot, attention._paged_attn_kernel) or "cuda_core"
     # (FMA dot products, decode_attention.py; its launch parameters are the "*_cuda_core" entry).
+    # "fused_merge" (the splits merged in the decode launch, attention.py): measured off
+    # (session 11, batch-1 decode of the 8B shape, GPU span per step: bf16 4.142 vs 4.084 ms,
+    # int4 2.359 vs 2.246 ms without it; tests/gpu/pending_checks.sh decode).
     "decode": {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     # decode over a float8_e4m3fn cache (bf16 queries): B64 ctx4096: 251 us, B256 ctx1536:
     # 378 us (50% of copy BW: as fast as the bf16 cache per token, not per byte); products in

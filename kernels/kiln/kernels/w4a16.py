@@ -55,7 +55,13 @@ Kernels:
   25-62 % occupancy and half the stall cycles waiting on global loads, which the loop issued
   interleaved with the math; ``PREFETCH`` 1 loads the next step's packed words, scales and
   zero points before this step's math (register double buffering), and with 2048-wide steps
-  and no K split it wins on qkv and o (M = 1, 2) and gate_up (M = 2).
+  and no K split it wins on qkv and o (M = 1, 2) and gate_up (M = 2).  ``GATED`` (a gate|up
+  weight ``[2I, K]``, ``w4a16_gemm(..., silu_and_mul=True)``): each program takes BLOCK_N / 2
+  gate columns and the matching up columns (two contiguous runs, so the loads stay vectorized)
+  and stores ``silu(gate) * up`` from its float32 sums: no SiLU-and-mul kernel and no
+  ``[M, 2I]`` round trip (H200, batch-1 int4 decode of the 8B shape: 2.073 / 2.074 ms of GPU
+  per step vs 2.082 / 2.083 unfused, session 11).  ``EARLY`` loads the first weight step
+  before the PDL wait (``early_fetch``; off, measured slower in the decode step).
 * ``_mma_kernel`` (larger M): eight ``tl.dot`` of depth ``BLOCK_K / 8`` per step on the same
   ``f`` values (exact in bf16/fp16), group correction on the fp32 dot result.
 * ``w4a16_swap._swap_kernel`` (M <= 16, float16/bfloat16 x, ``G % BLOCK_K == 0``; ``KERNEL:
@@ -75,7 +81,8 @@ SMs), reduced in the same launch (``kiln.kernels.splitk``: partials added in spl
 the last program of a tile).  Launch choices live in ``choose_config`` and ``TUNED``
 (measured numbers in docs/benchmarks.md, "GPU (H200)").  On Hopper every kernel is launched
 with programmatic dependent launch (``kiln.kernels.pdl``): it waits for its predecessor
-before its first load, and all its writes (partials, counters, ``y``) come after that.
+before its first load (``gemv2`` with ``EARLY``: its first weight loads, constants, come
+before the wait), and all its writes (partials, counters, ``y``) come after that.
 
 ``dequantize_ref`` / ``w4a16_ref`` are the torch reference (dequantize, then matmul in
 float32).
@@ -718,7 +725,7 @@ def early_fetch() -> bool:
     return EARLY_FETCH if raw == "" else raw == "1"
 
 
-EARLY_FETCH = False
+EARLY_FETCH = False  # measured: slower decode steps (gpu_bench --only early; session 11)
 
 
 def fused_silu() -> bool:
@@ -731,7 +738,7 @@ def fused_silu() -> bool:
     return FUSED_SILU if raw == "" else raw == "1"
 
 
-FUSED_SILU = True
+FUSED_SILU = True  # measured: a ~9 us (0.4 %) shorter batch-1 int4 decode step (session 11)
 # From this M on (CUDA), ``choose_config`` dequantizes the weight and runs cuBLAS
 # (``w4a16_dequant``).  H200, Llama-3.1-8B projections (docs/benchmarks.md, session 8): at
 # M = 65 3.5x (qkv), 4.8x (o), 1.6x (gate_up), 5.0x (down) faster than the fused ``mma``
