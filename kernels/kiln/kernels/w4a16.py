@@ -967,6 +967,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
             return _silu_and_mul(w4a16_gemm(x, qweight, scales, qzeros, cfg, out_dtype))
         out = torch.empty((M, N // 2), dtype=out_dtype, device=x.device)
         xw = _gemv2_x(x)
+        pdl = launch_kwargs(x.device)
+        early = bool(pdl["PDL"]) and bool(cfg.get("EARLY", early_fetch()))
         grid = (triton.cdiv(N // 2, cfg["BLOCK_N"] // 2), triton.cdiv(M, cfg["BLOCK_M"]), 1)
         _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, out, out, M, N // 2, K, k_per_split, 1,
                             xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
@@ -975,8 +977,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
                             CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=False, NUM_STAGES=cfg["num_stages"],
                             X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
                             EVEN_N=(N // 2) % (cfg["BLOCK_N"] // 2) == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
-                            PREFETCH=cfg.get("PREFETCH", 0), GATED=True, num_warps=cfg["num_warps"],
-                            **launch_kwargs(x.device))
+                            PREFETCH=1 if early else cfg.get("PREFETCH", 0), EARLY=early, GATED=True,
+                            num_warps=cfg["num_warps"], **pdl)
         return out
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)

@@ -282,14 +282,26 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
+def _w4a16_and_norm(x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor):
+    """Two callables of one packed weight dict ``p``: the W4A16 GEMM of ``x``, and the same GEMM
+    of the add + RMSNorm of ``x`` and ``res`` (weight ``nw``), as in a decode step."""
+    from kiln.kernels.norm import fused_add_rms_norm
+    from kiln.kernels.w4a16 import w4a16_gemm
+
+    def w4(p, a=x):
+        return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"])
+
+    def w4n(p):
+        return w4(p, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+
+    return w4, w4n
+
+
 def bench_early(ms=(1, 2), shapes: dict | None = None) -> list[dict]:
     """``gemv2`` with its first weight step loaded before the programmatic-dependent-launch wait
     (``KILN_W4A16_EARLY=1``, ``w4a16.early_fetch``) against after it (``0``), PDL on, the ``TUNED``
     config otherwise: the GEMM chain alone and each GEMM preceded by the add + RMSNorm that feeds
     it (as in a decode step), microseconds per GEMM; outputs must be bit-identical."""
-    from kiln.kernels.norm import fused_add_rms_norm
-    from kiln.kernels.w4a16 import w4a16_gemm
-
     env = {k: os.environ.get(k) for k in ("KILN_PDL", "KILN_W4A16_EARLY")}
     rows = []
     try:
@@ -302,13 +314,7 @@ def bench_early(ms=(1, 2), shapes: dict | None = None) -> list[dict]:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 row = {"shape": name, "M": M}
-
-                def w4(p, a=x):
-                    return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"])
-
-                def w4n(p):
-                    return w4(p, fused_add_rms_norm(x, res, nw, 1e-5)[0])
-
+                w4, w4n = _w4a16_and_norm(x, res, nw)
                 outs = {}
                 for tag in ("0", "1"):
                     os.environ["KILN_W4A16_EARLY"] = tag
@@ -353,7 +359,6 @@ def bench_pdl(ms=(1, 2, 4, 8, 16)) -> list[dict]:
     Kiln's bf16 GEMV on the same shapes.  Outputs with PDL on are checked against PDL off."""
     from kiln.kernels import gemv as gemv_mod
     from kiln.kernels.norm import fused_add_rms_norm
-    from kiln.kernels.w4a16 import w4a16_gemm
 
     env = os.environ.get("KILN_PDL")
     rows = []
@@ -365,12 +370,7 @@ def bench_pdl(ms=(1, 2, 4, 8, 16)) -> list[dict]:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 row = {"shape": name, "M": M}
-
-                def w4(p, a=x):
-                    return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"])
-
-                def w4n(p):
-                    return w4(p, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+                w4, w4n = _w4a16_and_norm(x, res, nw)
 
                 def gv(wi, a=x):
                     return gemv_mod.gemv(a, wi)
