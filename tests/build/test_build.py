@@ -445,7 +445,7 @@ def test_eval_cli(tiny_engines, capsys, tmp_path):
     assert main(["perplexity", "--engine", str(tmp_path / "none"), "--text", str(text)]) == 2
 
 
-def test_eval_agreement(tiny_engines, tmp_path):
+def test_eval_agreement(tiny_engines, tmp_path, monkeypatch):
     from kiln.runtime.eval import agreement
 
     text = tmp_path / "t.txt"
@@ -455,6 +455,20 @@ def test_eval_agreement(tiny_engines, tmp_path):
     assert same["greedy_identical"] == same["num_prompts"] == 2
     r = agreement(str(tiny_engines["none"]), str(tiny_engines["int4-gptq"]), str(text), num_prompts=2, new_tokens=4)
     assert 0.0 <= r["teacher_forced_top1"] <= 1.0 and 0.0 <= r["greedy_token_agreement"] <= 1.0
+    # prompts run one at a time: a huge --num-prompts costs no KV memory (it was sized per prompt)
+    import kiln.runtime.eval as ev
+
+    pools = []
+    orig = ev.open_model
+    monkeypatch.setattr(ev, "open_model", lambda *a, **k: pools.append(orig(*a, **k)) or pools[-1])
+    many = agreement(str(tiny_engines["none"]), str(tiny_engines["none"]), str(text), num_prompts=100000,
+                     new_tokens=2, window=64)
+    assert many["num_prompts"] >= 2 and all(e.args.num_kv_blocks <= 64 for e in pools), \
+        [e.args.num_kv_blocks for e in pools]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="nothing to compare"):
+        agreement(str(tiny_engines["none"]), str(tiny_engines["none"]), str(empty), num_prompts=2, new_tokens=2)
 
 
 def test_kiln_cli_wiring(tiny_model, tmp_path, capsys, monkeypatch):

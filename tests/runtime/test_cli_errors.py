@@ -102,3 +102,19 @@ def test_serve_empty_served_model_name_is_refused_before_loading(monkeypatch, ca
     monkeypatch.setattr(engine, "LLMEngine", no_load)
     assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--served-model-name", name]) == 2
     assert "--served-model-name must not be empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--served-model-name", " my/model "], "no leading or trailing spaces"),
+    (["--served-model-name", "my\nmodel"], "no leading or trailing spaces and no control characters"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be between 0 and 3600"),
+])
+def test_serve_bad_name_or_shutdown_timeout_refused_before_loading(monkeypatch, capsys, args, msg):
+    from kiln.runtime import engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine, "LLMEngine", no_load)
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0", *args]) == 2
+    assert msg in capsys.readouterr().err

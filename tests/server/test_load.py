@@ -119,5 +119,42 @@ def test_api_key_and_served_model_name():
         assert r.status_code == 200
         assert httpx.get(f"{server.base}/health").status_code == 200  # probes need no key
         assert httpx.get(f"{server.base}/metrics").status_code == 200
+        # SIGTERM (a pod stopping) lets a running stream finish: every token, then [DONE], exit 0
+        stream = {"prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True, "stream": True,
+                  "model": "team-llm"}
+        chunks = []
+        with httpx.stream("POST", f"{server.v1}/completions", json=stream, headers=auth, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+                    if len(chunks) == 1:
+                        server.proc.terminate()
+        assert chunks[-1] == "[DONE]", chunks[-3:]
+        finishes = [json.loads(c)["choices"][0].get("finish_reason") for c in chunks[:-1]]
+        assert finishes[-1] == "length", finishes[-3:]
+        assert server.proc.wait(timeout=60) in (0, -15)  # uvicorn re-raises SIGTERM once it has drained
+    finally:
+        stop_server(server)
+
+
+def test_shutdown_timeout_bounds_the_drain():
+    """``--shutdown-timeout``: after SIGTERM, a stream that outlasts it is cut off (no [DONE])
+    and the process exits; the default (45 s) lets streams finish (test above)."""
+    server = start_server("--max-num-seqs", "2", "--shutdown-timeout", "0.5", "--max-model-len", "2048")
+    try:
+        body = {"prompt": "Count slowly:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        chunks = []
+        try:
+            with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        if len(chunks) == 1:
+                            server.proc.terminate()
+        except httpx.HTTPError:
+            pass  # the server closed the connection mid-stream
+        assert chunks and chunks[-1] != "[DONE]" and len(chunks) < 1500, (len(chunks), chunks[-1:])
+        assert server.proc.wait(timeout=60) in (0, -15)
     finally:
         stop_server(server)

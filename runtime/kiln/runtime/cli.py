@@ -75,6 +75,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
     if ns.served_model_name is not None and not ns.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty (leave it out to serve under the source's name)")
+    if ns.served_model_name is not None and (ns.served_model_name != ns.served_model_name.strip()
+                                             or not ns.served_model_name.isprintable()):
+        raise ValueError(f"--served-model-name {ns.served_model_name!r}: no leading or trailing spaces and no "
+                         "control characters (clients must send the name exactly)")
+    if not 0 <= ns.shutdown_timeout <= 3600:
+        raise ValueError(f"--shutdown-timeout must be between 0 and 3600 seconds, got {ns.shutdown_timeout}")
     check_can_listen(ns.host, ns.port)
     from .compile_cache import ensure_writable_cache_dir  # noqa: PLC0415
 
@@ -88,7 +94,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("KILN_API_KEY") or None
     engine = LLMEngine(engine_args_from(ns))
     app = build_app(engine, api_key=api_key)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), timeout_graceful_shutdown=5)
+    # on SIGTERM: stop accepting, let running requests finish for up to --shutdown-timeout seconds
+    # (the operator's pods have 60 s of grace), then cancel the rest
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
+                timeout_graceful_shutdown=ns.shutdown_timeout)
     return 0
 
 
@@ -103,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--served-model-name", default=None, help="model name clients use (default: the source)")
     sp.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (env KILN_API_KEY)")
+    sp.add_argument("--shutdown-timeout", type=float, default=45.0,
+                    help="seconds that running requests get to finish after SIGTERM (default: %(default)s; the "
+                         "operator's pods have a 60 s grace period)")
     sp.set_defaults(func=cmd_serve)
 
     bp = sub.add_parser("bench", help="benchmark throughput and latency")

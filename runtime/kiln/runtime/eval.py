@@ -40,13 +40,13 @@ def _is_engine(ref: str) -> bool:
 
 
 def open_model(model: str | None = None, engine: str | None = None, device: str = "cpu", dtype: str = "auto",
-               window: int = DEFAULT_WINDOW, num_seqs: int = 1):
+               window: int = DEFAULT_WINDOW, num_seqs: int = 1, context: int = 0):
     """An ``LLMEngine`` for a source or an engine folder, with a KV pool just large enough for
-    ``num_seqs`` sequences of ``window`` tokens (plus generation headroom)."""
+    ``num_seqs`` sequences of ``max(window, context)`` tokens (plus headroom)."""
     from .config import EngineArgs  # noqa: PLC0415
     from .engine import LLMEngine  # noqa: PLC0415
 
-    blocks = num_seqs * (math.ceil(window / 16) + 8)
+    blocks = num_seqs * (math.ceil(max(window, context) / 16) + 8)
     return LLMEngine(EngineArgs(model=model, engine=engine, device=device, dtype=dtype, num_kv_blocks=blocks,
                                 max_num_seqs=max(num_seqs, 1), enable_cuda_graphs=False,
                                 max_num_batched_tokens=max(2048, window),
@@ -95,7 +95,9 @@ def score_windows(engine, ids: list[int], window: int = DEFAULT_WINDOW, want_arg
             if want_argmax:
                 preds.append(logits.argmax(-1).cpu())
     res = PerplexityResult(math.exp(nll / max(count, 1)), count, nll)
-    return res, (torch.cat(preds) if want_argmax else None)
+    if not want_argmax:
+        return res, None
+    return res, (torch.cat(preds) if preds else torch.empty(0, dtype=torch.int64))
 
 
 def perplexity(model: str | None = None, engine: str | None = None, text: str | None = None,
@@ -154,12 +156,17 @@ def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 
         if v < 1:
             raise ValueError(f"{flag} must be at least 1, got {v}")
 
-    engines = [open_model(engine=r, device=device, window=window, num_seqs=num_prompts) if _is_engine(r)
-               else open_model(model=r, device=device, window=window, num_seqs=num_prompts) for r in (a, b)]
+    # one sequence at a time (windows, then prompts one by one): the pool holds one, whatever
+    # --num-prompts asks (it was sized for all of them and could exhaust the host's memory)
+    engines = [open_model(engine=r, device=device, window=window, context=prompt_tokens + new_tokens)
+               if _is_engine(r) else open_model(model=r, device=device, window=window,
+                                                context=prompt_tokens + new_tokens) for r in (a, b)]
     ids = list(engines[0].tokenizer(read_text(text), add_special_tokens=False)["input_ids"])
     if max_tokens:
         ids = ids[:max_tokens]
     (ra, pa), (rb, pb) = (score_windows(e, ids, window, want_argmax=True) for e in engines)
+    if ra.num_tokens == 0:
+        raise ValueError(f"the text has {len(ids)} token(s): nothing to compare (need at least 2)")
     top1 = float((pa == pb).float().mean())
     stride = max(prompt_tokens, len(ids) // max(num_prompts, 1))
     prompts = [ids[i:i + prompt_tokens] for i in range(0, len(ids) - prompt_tokens, stride)][:num_prompts]
