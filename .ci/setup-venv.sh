@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade "pip>=24" "setuptools>=77" wheel
+.venv/bin/python -m pip install -q --upgrade "pip>=24" "setuptools>=77,<82" wheel  # torch 2.11 requires setuptools < 82
 # A CPU-only torch wheel, if the machine has one, is preferred (KILN_WHEELHOUSE).
 FIND_LINKS=()
 if [ -n "${KILN_WHEELHOUSE:-}" ] && [ -d "${KILN_WHEELHOUSE}" ]; then

@@ -179,6 +179,14 @@ def test_group_size_must_divide(tiny_model, tmp_path, capsys):
     assert "--group-size: 48 is not one of" in capsys.readouterr().err
 
 
+def test_max_seq_len_past_the_models_context(tiny_model, tmp_path, capsys):
+    # the tiny model's context is 512 tokens
+    assert cli("--model", str(tiny_model), "--output", str(tmp_path / "e"), "--max-seq-len", "1024",
+               "--device", "cpu") == 2
+    assert "--max-seq-len 1024 is longer than the model's context of 512 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
+
+
 def test_unsupported_architecture(tmp_path, capsys):
     src = tmp_path / "gpt2"
     src.mkdir()

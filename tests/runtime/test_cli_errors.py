@@ -118,3 +118,11 @@ def test_serve_bad_name_or_shutdown_timeout_refused_before_loading(monkeypatch, 
     monkeypatch.setattr(engine, "LLMEngine", no_load)
     assert main(["serve", "--host", "127.0.0.1", "--port", "0", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_serve_kv_cache_too_large_for_memory_is_a_clear_error(capsys):
+    """A pool that cannot be allocated (here ~70 TB) is a one-line error naming the flag, not a
+    traceback from the allocator."""
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--num-kv-blocks", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit in memory" in err and "--num-kv-blocks" in err and "Traceback" not in err, err[-2000:]

@@ -157,7 +157,8 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
         progress: receives one-line progress messages.
     Raises:
         BadInputError: unsupported architecture, missing or corrupt source, a group size that
-            does not divide a layer, a checksum that does not match.
+            does not divide a layer, a checksum that does not match, a max_seq_len other than
+            the default past the model's context (max_position_embeddings).
         BuildError: the output cannot be written (read-only, disk full) or lost a race to a
             different engine.
     """
@@ -286,6 +287,11 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         tok = loader.load_tokenizer(hf)
     except (loader.ModelSourceError, UnsupportedModelError) as e:
         raise BadInputError(str(e)) from e
+    # as vLLM refuses a max_model_len past the model's context; the default limit (4096) is left
+    # alone for shorter models: serving caps it at the model's context
+    if spec.max_seq_len > cfg.max_position_embeddings and spec.max_seq_len != BUILD_DEFAULTS["maxSeqLen"]:
+        raise BadInputError(f"--max-seq-len {spec.max_seq_len} is longer than the model's context of "
+                            f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
     settings = QuantSettings(method=spec.quantization, group_size=spec.group_size, alpha=float(spec.smoothquant_alpha),
                              lm_head=spec.lm_head_quantized)
     dev = resolve_device(device)

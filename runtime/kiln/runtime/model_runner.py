@@ -182,15 +182,31 @@ class ModelRunner:
         return max(1, self.args.cpu_kv_cache_bytes // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one K and one V pool per layer: [num_blocks, block_size, Hkv, D]."""
+        """Allocate one K and one V pool per layer: [num_blocks, block_size, Hkv, D].
+
+        Raises:
+            ValueError: the pools do not fit in the device's (or the host's) memory; the
+                message gives their size in GiB and the flag to lower.
+        """
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = []
-        for attn in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
-            v = torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
-            attn.k_cache, attn.v_cache = k, v
-            self.kv_caches.append((k, v))
+        layers = list(self.model.attention_layers())
+        try:
+            for attn in layers:
+                k = torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
+                v = torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
+                attn.k_cache, attn.v_cache = k, v
+                self.kv_caches.append((k, v))
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            self.kv_caches = []
+            for attn in layers:
+                attn.k_cache = attn.v_cache = None
+            gib = 2 * len(layers) * num_blocks * self.block_size * cfg.num_key_value_heads * cfg.head_dim \
+                * torch.empty((), dtype=self.kv_cache_dtype()).element_size() / 2**30
+            raise ValueError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB on {self.device.type}) does not fit "
+                             f"in memory ({str(e).splitlines()[0][:200]}); lower --num-kv-blocks (or the KV "
+                             "cache memory fraction)") from None
         self.num_kv_blocks = num_blocks
 
     # -- one step ------------------------------------------------------------------------
