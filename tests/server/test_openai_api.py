@@ -116,6 +116,8 @@ BAD = [
     ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "hi", "seed": 2**64}, "64-bit"),
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens must be at least 1"),
+    ({"prompt": "hi", "include_stop_str_in_output": True, "stop": "."}, "include_stop_str_in_output: not supported"),
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
 ]
 
 
@@ -148,6 +150,11 @@ def test_chat_message_without_content_gets_400(server, message, needle):
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"min_tokens": 9, "max_completion_tokens": 3}, "max_completion_tokens (3)"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs must be between 0 and 20"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output: not supported"),
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message, add_generation_prompt"),
+    ({"chat_template": "{{ raise_exception('x') }}"}, "chat_template: not supported"),
+    ({"echo": True}, "echo: not supported"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_chat_features_not_served_get_400(server, extra, needle):
     r = httpx.post(f"{server.v1}/chat/completions",
@@ -156,7 +163,10 @@ def test_chat_features_not_served_get_400(server, extra, needle):
     assert needle in r.json()["error"]["message"]
     ok = httpx.post(f"{server.v1}/chat/completions", timeout=60,
                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
-                          "tool_choice": "none", "response_format": {"type": "text"}})
+                          "tool_choice": "none", "response_format": {"type": "text"},
+                          # vLLM extensions at their no-op values, and a field of no known meaning
+                          "include_stop_str_in_output": False, "add_generation_prompt": True, "echo": False,
+                          "some_client_field": 1})
     assert ok.status_code == 200, ok.text
 
 

@@ -17,8 +17,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM's request extensions that this server does not implement, with the value that means
+# "not used": a request that sets one to anything else gets a 400 naming it instead of being
+# served as if it had not (unknown fields of no known meaning are still ignored, as OpenAI's).
+_UNSUPPORTED_EXTENSIONS: dict[str, object] = {
+    "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
+    "prompt_logprobs": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "structured_outputs": None, "spaces_between_special_tokens": True,
+}
+_UNSUPPORTED_CHAT_EXTENSIONS: dict[str, object] = {
+    "continue_final_message": False, "add_generation_prompt": True, "chat_template": None,
+    "chat_template_kwargs": None, "echo": False, "documents": None, "mm_processor_kwargs": None,
+}
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept only to refuse the extensions above
 
     model: str | None = None
     max_tokens: int | None = None
@@ -41,8 +56,18 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    def _refuse_unsupported(self, table: dict[str, object]) -> None:
+        """ValueError (-> HTTP 400) for a vLLM extension of ``table`` set to a value other than
+        its no-op one."""
+        extra = self.model_extra or {}
+        used = [k for k, noop in table.items() if k in extra and extra[k] != noop]
+        if used:
+            raise ValueError(f"{', '.join(used)}: not supported by this server")
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
-        """Raises ValueError (-> HTTP 400) for out-of-range values."""
+        """Raises ValueError (-> HTTP 400) for out-of-range values and for vLLM extensions this
+        server does not implement."""
+        self._refuse_unsupported(_UNSUPPORTED_EXTENSIONS)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -147,7 +172,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values and for what this server
-        does not do: tools (tool calling) and a ``response_format`` other than text."""
+        does not do: tools (tool calling), a ``response_format`` other than text, and vLLM's
+        chat-template extensions (``continue_final_message``, ``chat_template``, ...)."""
+        self._refuse_unsupported(_UNSUPPORTED_CHAT_EXTENSIONS)
         if self.tools or self.functions:
             raise ValueError("tools / functions (function calling) are not supported by this server")
         if self.function_call not in (None, "none", "auto"):
