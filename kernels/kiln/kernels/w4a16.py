@@ -958,6 +958,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(K, bk)))
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
+    gated = False
     if silu_and_mul:
         if N % 2:
             raise ValueError(f"silu_and_mul needs a gate|up weight with an even N, got N={N}")
@@ -965,23 +966,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
             from .activation import silu_and_mul as _silu_and_mul  # noqa: PLC0415
 
             return _silu_and_mul(w4a16_gemm(x, qweight, scales, qzeros, cfg, out_dtype))
-        out = torch.empty((M, N // 2), dtype=out_dtype, device=x.device)
-        xw = _gemv2_x(x)
-        pdl = launch_kwargs(x.device)
-        early = bool(pdl["PDL"]) and bool(cfg.get("EARLY", early_fetch()))
-        grid = (triton.cdiv(N // 2, cfg["BLOCK_N"] // 2), triton.cdiv(M, cfg["BLOCK_M"]), 1)
-        _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, out, out, M, N // 2, K, k_per_split, 1,
-                            xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-                            qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
-                            GROUP_SIZE=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-                            CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=False, NUM_STAGES=cfg["num_stages"],
-                            X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
-                            EVEN_N=(N // 2) % (cfg["BLOCK_N"] // 2) == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
-                            PREFETCH=1 if early else cfg.get("PREFETCH", 0), EARLY=early, GATED=True,
-                            num_warps=cfg["num_warps"], **pdl)
-        return out
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+        gated = True  # the gemv2 epilogue writes silu(gate) * up: N // 2 columns, BLOCK_N // 2 per tile
+    n_out = N // 2 if gated else N
+    tile_n = cfg["BLOCK_N"] // 2 if gated else cfg["BLOCK_N"]
+    grid = (triton.cdiv(n_out, tile_n), triton.cdiv(M, cfg["BLOCK_M"]), split)
+    out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if split > 1:
         part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, grid[0] * grid[1])
@@ -991,15 +980,15 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
         xw = _gemv2_x(x)
         pdl = launch_kwargs(x.device)
         early = bool(pdl["PDL"]) and bool(cfg.get("EARLY", early_fetch()))
-        _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, part, cnt, M, N, K, k_per_split, split,
+        _gemv2_kernel[grid](xw, qweight, scales, qzeros, out, part, cnt, M, n_out, K, k_per_split, split,
                             xw.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
                             qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
                             GROUP_SIZE=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
                             CHAIN=cfg.get("CHAIN", 8), HAS_SPLIT=split > 1, NUM_STAGES=cfg["num_stages"],
                             X_BF16=x.dtype == torch.bfloat16, ASM=_use_asm(x), EVEN_K=K % bk == 0,
-                            EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
-                            PREFETCH=1 if early else cfg.get("PREFETCH", 0), EARLY=early, num_warps=cfg["num_warps"],
-                            **pdl)
+                            EVEN_N=n_out % tile_n == 0, EVEN_M=M % cfg["BLOCK_M"] == 0,
+                            PREFETCH=1 if early else cfg.get("PREFETCH", 0), EARLY=early, GATED=gated,
+                            num_warps=cfg["num_warps"], **pdl)
         return out
     if cfg["KERNEL"] == "dequant":  # large M: dequantize once, then a dense GEMM (cuBLAS on CUDA)
         from .w4a16_dequant import dequantize  # noqa: PLC0415
