@@ -25,6 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plane import Plane, bin_dir, reap_stale  # noqa: E402
 
 
+STARTED: list[tuple[str, float | None]] = []  # (plane, seconds from etcd to ready) started by this run
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Prints how long each plane this run started took (a measurement, never an assertion)."""
+    for name, seconds in STARTED:
+        terminalreporter.write_line(f"kiln control plane {name!r}: started from cached binaries in {seconds} s")
+
+
 @pytest.fixture(scope="session")
 def kube_plane():
     # A missing build skips (it takes ~15 min), except where it must not: CI, or KILN_PLANE_BUILD=1.
@@ -40,6 +49,8 @@ def kube_plane():
                   gpus_per_node=int(os.environ.get("KILN_PLANE_GPUS_PER_NODE", "4")), bin=bins)
     started = not plane.is_healthy()
     plane.up()
+    if started:
+        STARTED.append((plane.name, plane.state.get("started_s")))
     yield plane
     if started and os.environ.get("KILN_PLANE_KEEP") != "1":
         plane.down(remove=not named)
