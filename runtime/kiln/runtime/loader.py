@@ -161,12 +161,12 @@ def load_hf_config_dict(src: ModelSource) -> dict:
     """The Hugging Face config of the source as a plain dict.
 
     Raises:
-        ModelSourceError: unreadable or corrupt config / GGUF header.
+        ModelSourceError: unreadable, non-UTF-8 or corrupt config / GGUF header (names the file).
     """
     if src.kind == "hf":
         try:
-            return json.loads((src.path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            return json.loads((src.path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
             raise ModelSourceError(f"cannot read {src.path / 'config.json'}: {e}") from e
     from transformers import AutoConfig  # noqa: PLC0415
 

@@ -19,6 +19,31 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture is not one Kiln's model code implements."""
 
 
+class ModelConfigError(UnsupportedModelError):
+    """config.json is malformed: not an object, a missing field, a size that is not a positive
+    integer.  A subclass of UnsupportedModelError, so callers that refuse unsupported models
+    (``kiln build``, ``kiln serve``: one line, exit 2) refuse these too."""
+
+
+def _size(cfg: dict[str, Any], name: str, default: int | None = None) -> int:
+    """``cfg[name]`` as a positive int (an integral float such as 4096.0 counts; a bool does
+    not); ``default`` when it is missing or null.
+
+    Raises:
+        ModelConfigError: missing without a default, or not a positive integer.
+    """
+    value = cfg.get(name)
+    if value is None:
+        if default is None:
+            raise ModelConfigError(f"config.json: required field {name} is missing")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
+    return value
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder.
@@ -55,10 +80,20 @@ class ModelConfig:
         Raises:
             UnsupportedModelError: the architecture is not Llama/Mistral/Qwen2 or uses a
                 feature this runtime lacks (non-SiLU activation, unknown RoPE scaling).
+            ModelConfigError (an UnsupportedModelError): ``cfg`` is not a dict, a required
+                size is missing, a size is not a positive integer, the head counts do not
+                divide, or ``architectures`` is neither a name nor a list of names.
         """
+        if not isinstance(cfg, dict):
+            got = "null" if cfg is None else type(cfg).__name__
+            raise ModelConfigError(f"config.json: expected a JSON object, got {got}")
         archs = cfg.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelConfigError(f"config.json: architectures must be a list of names, got {archs!r}")
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
             if not known:
                 raise UnsupportedModelError(
@@ -69,9 +104,18 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}: Kiln's MLP is SwiGLU (silu)")
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        sizes = {name: _size(cfg, name) for name in
+                 ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+        hidden, num_heads = sizes["hidden_size"], sizes["num_attention_heads"]
+        num_kv_heads = _size(cfg, "num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelConfigError(f"config.json: num_attention_heads ({num_heads}) must be divisible by "
+                                   f"num_key_value_heads ({num_kv_heads})")
+        if cfg.get("head_dim") is None and hidden % num_heads:
+            raise ModelConfigError(f"config.json: hidden_size ({hidden}) must be divisible by num_attention_heads "
+                                   f"({num_heads}) when head_dim is not given")
+        head_dim = _size(cfg, "head_dim", hidden // num_heads)
+        max_pos = _size(cfg, "max_position_embeddings", 2048)
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta", 10000.0)
         # transformers 5 folds theta and scaling into ``rope_parameters``.
@@ -94,14 +138,10 @@ class ModelConfig:
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
         return cls(
             model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            **sizes,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
