@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -160,10 +161,23 @@ def run_hf_continuous(hf, wl: Workload) -> dict:
             "output_tok_s": n / wall, "requests_s": len(wl.prompts) / wall}
 
 
+def _check_writable(path: str) -> None:
+    """Raise ValueError unless ``path`` can be written (before the benchmark runs, not after)."""
+    existed = os.path.exists(path)
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise ValueError(f"cannot write --json {path}: {e.strerror}") from None
+    if not existed:
+        os.remove(path)
+
+
 def cmd_offline(ns: argparse.Namespace) -> int:
     from .cli import engine_args_from  # noqa: PLC0415
     from .llm import LLM  # noqa: PLC0415
 
+    if ns.json:
+        _check_writable(ns.json)
     args = engine_args_from(ns)
     llm = LLM(**{k: v for k, v in vars(args).items()})
     wl = make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
@@ -265,6 +279,8 @@ async def _serve_one(client, url: str, model: str, prompt: list[int], max_tokens
 def cmd_serve(ns: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
+    if ns.url and ns.engine:
+        raise ValueError("--engine starts a server here; it cannot be used with --url")
     proc = None
     url = ns.url
     if not url:
@@ -273,12 +289,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from .demo import free_port, wait_ready  # noqa: PLC0415
 
         port = free_port()
-        extra = ["--model", ns.model] if ns.model else []
+        extra = ["--model", ns.model] if ns.model else ["--engine", ns.engine] if ns.engine else []
+        if ns.max_num_seqs is not None:  # else serve's default (capped by an engine's build limit)
+            extra += ["--max-num-seqs", str(ns.max_num_seqs)]
         proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "--log-level", "WARNING", "serve",
-                                 "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(ns.max_num_seqs),
-                                 *extra])
+                                 "--host", "127.0.0.1", "--port", str(port), *extra])
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, proc)
+        try:
+            wait_ready(url, proc)
+        except RuntimeError as e:  # it exited (kiln serve printed why) or never became ready
+            code = proc.poll()
+            proc.kill()
+            proc.wait()
+            print(f"kiln bench: error: the server did not start: {e}"
+                  + (" (its error is above)" if code is not None else ""), file=sys.stderr)
+            return 2 if code == 2 else 1  # kiln serve exits 2 on bad input
     try:
         served = _served_model(url)  # also checks that the server answers
         model = ns.model if ns.url and ns.model else served  # without --url, --model is the source served here
@@ -359,9 +384,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     off.set_defaults(func=cmd_offline)
     srv = sub.add_parser("serve", help="latency percentiles against a live server")
     srv.add_argument("--url", default=None, help="a running server (default: start `kiln serve` here)")
-    srv.add_argument("--model", default=None, help="without --url: the model to serve (as `kiln serve --model`); "
+    src = srv.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="without --url: the model to serve (as `kiln serve --model`); "
                      "with --url: the model name sent in requests (default: the server's first model)")
-    srv.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    src.add_argument("--engine", default=None, help="without --url: a Kiln engine folder to serve "
+                     "(as `kiln serve --engine`)")
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                     help="the started server's --max-num-seqs (default: kiln serve's)")
     srv.add_argument("--num-prompts", type=_positive_int, default=64)
     srv.add_argument("--concurrency", type=_positive_int, default=16)
     srv.add_argument("--input-len", type=_positive_int, default=128)
