@@ -187,6 +187,51 @@ def test_max_seq_len_past_the_models_context(tiny_model, tmp_path, capsys):
     assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
 
 
+def test_source_without_a_tokenizer_is_refused_before_quantizing(tiny_model, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "no-tok"
+    shutil.copytree(tiny_model, src)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    from kiln.runtime import quantization
+
+    def no_quantizing(*a):
+        raise AssertionError("quantization started before the tokenizer was checked")
+
+    monkeypatch.setattr(quantization, "get_handler", no_quantizing)
+    assert cli("--model", str(src), "--output", str(tmp_path / "e"), "--quantization", "int4-awq",
+               "--group-size", "32", "--calibration-samples", "2", "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer in" in err and "Traceback" not in err
+    assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
+
+
+def test_build_limits_bound_the_batch_when_serving(tiny_model, tmp_path):
+    """An engine's --max-batch-size and --max-num-tokens are the serving defaults' caps (64
+    sequences, 2048 tokens when larger); an explicit larger --max-num-seqs or
+    --max-num-batched-tokens is refused, as TensorRT-LLM's runtime refuses a batch past its
+    engine's; a model served directly keeps the defaults."""
+    from kiln.runtime import LLM, SamplingParams
+
+    path = build_engine(BuildSpec.from_cli(str(tiny_model), max_batch_size=2, max_num_tokens=32), str(tiny_model),
+                        tmp_path / "e", device="cpu").path
+    llm = LLM(engine=str(path), device="cpu", num_kv_blocks=32)
+    cfg = llm.engine.scheduler.config
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (2, 32)
+    outs = llm.generate([[5] * 40, [6] * 3, [7] * 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3]
+    with pytest.raises(ValueError, match="--max-num-seqs 3 is larger than the engine's build limit 2"):
+        LLM(engine=str(path), device="cpu", num_kv_blocks=32, max_num_seqs=3)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 64 is larger than the engine's build limit 32"):
+        LLM(engine=str(path), device="cpu", num_kv_blocks=32, max_num_batched_tokens=64)
+    small = LLM(engine=str(path), device="cpu", num_kv_blocks=32, max_num_seqs=1, max_num_batched_tokens=16)
+    assert (small.engine.scheduler.config.max_num_seqs, small.engine.scheduler.config.max_num_batched_tokens) == (1, 16)
+    direct = LLM(model=str(tiny_model), device="cpu", num_kv_blocks=32).engine.scheduler.config
+    assert (direct.max_num_seqs, direct.max_num_batched_tokens) == (64, 2048)
+    with pytest.raises(ValueError, match="dummy"):
+        LLM(engine=str(path), device="cpu", load_format="dummy")
+
+
 def test_unsupported_architecture(tmp_path, capsys):
     src = tmp_path / "gpt2"
     src.mkdir()
@@ -360,6 +405,17 @@ def test_refuses_incomplete_and_edited_manifest(engine_copy):
         open_engine(engine_copy)
 
 
+def test_refuses_a_manifest_without_its_checksum_and_a_file_for_a_folder(engine_copy, tmp_path):
+    m = json.loads((engine_copy / MANIFEST_FILENAME).read_text())
+    del m["manifest_sha256"]
+    (engine_copy / MANIFEST_FILENAME).write_text(json.dumps(m))
+    with pytest.raises(EngineFormatError, match="manifest lacks 'manifest_sha256'"):
+        open_engine(engine_copy)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(EngineFormatError, match="is a file, not an engine folder"):
+        open_engine(tmp_path / "f")
+
+
 def _write_manifest(engine: Path, m: dict) -> None:
     """Write a manifest with a matching manifest_sha256, so the checks behind it are reached."""
     m = dict(m)
@@ -428,6 +484,8 @@ def test_eval_bad_text_and_windows(tiny_engines, capsys, tmp_path):
     empty = tmp_path / "e.txt"
     empty.write_text("")
     assert main(["perplexity", "--engine", eng, "--text", str(empty)]) == 2
+    assert "nothing to score" in capsys.readouterr().err
+    assert main(["perplexity", "--engine", eng, "--text", os.devnull]) == 2  # exists, reads empty
     assert "nothing to score" in capsys.readouterr().err
     text = tmp_path / "t.txt"
     text.write_text("Some text. " * 20)

@@ -39,6 +39,27 @@ def test_group_size_only_with_int4_methods(capsys):
     assert cli("--output", "/x", "--quantization", "none", "--print-hash") == 0
 
 
+def test_smoothquant_alpha_only_with_smoothquant(capsys):
+    for method in ("none", "fp8", "int4-awq", "int4-gptq"):
+        assert cli("--output", "/x", "--quantization", method, "--smoothquant-alpha", "0.9", "--print-hash") == 2
+        assert "--smoothquant-alpha applies only to int8-smoothquant" in capsys.readouterr().err
+    assert cli("--output", "/x", "--quantization", "int8-smoothquant", "--smoothquant-alpha", "0.9",
+               "--print-hash") == 0
+    default = capsys.readouterr().out
+    assert cli("--output", "/x", "--quantization", "int8-smoothquant", "--smoothquant-alpha", "0.5",
+               "--print-hash") == 0
+    assert cli("--output", "/x", "--quantization", "int8-smoothquant", "--print-hash") == 0
+    same = capsys.readouterr().out.split()
+    assert same[0] == same[1] != default.strip()  # 0.5 is the default; 0.9 another engine
+
+
+def test_build_limits_are_bounded_as_in_the_crd(capsys):
+    assert cli("--output", "/x", "--max-batch-size", "100000000", "--print-hash") == 2
+    assert "--max-batch-size: 100000000 is above the maximum 4096" in capsys.readouterr().err
+    assert cli("--output", "/x", "--max-num-tokens", "8", "--print-hash") == 2
+    assert "--max-num-tokens: 8 is below the minimum 16" in capsys.readouterr().err
+
+
 def test_source_checksum_is_checked_before_hashing(capsys):
     assert cli("--output", "/x", "--source-checksum", "md5:abc", "--print-hash") == 2
     assert "unsupported checksum algorithm 'md5'" in capsys.readouterr().err

@@ -101,6 +101,10 @@ def test_normalized_form_is_canonical_json_without_floats():
     ({"model": SMOL, "build": {"smoothquantAlpha": "lots"}}, "smoothquantAlpha"),
     ({"model": SMOL, "build": {"smoothquantAlpha": "1.5"}}, "[0, 1]"),
     ({"model": SMOL, "build": {"maxSeqLen": 0}}, "maxSeqLen"),
+    ({"model": SMOL, "build": {"maxSeqLen": 8}}, "maxSeqLen: 8 is below the minimum 16"),
+    ({"model": SMOL, "build": {"maxBatchSize": 100000000}}, "maxBatchSize: 100000000 is above the maximum 4096"),
+    ({"model": SMOL, "build": {"maxNumTokens": 10**12}}, "maxNumTokens: 1000000000000 is above the maximum"),
+    ({"model": SMOL, "build": {"calibrationSamples": 100001}}, "calibrationSamples"),
     ({"model": SMOL, "build": {"kvCacheDtype": "int8"}}, "kvCacheDtype"),
     ({"model": SMOL, "build": {"quantization": "int4-awq", "quantizeLmHead": "yes"}}, "quantizeLmHead"),
     ({"model": {"pvc": {"path": "x"}}}, "claimName"),
@@ -173,3 +177,17 @@ def test_enginespec_and_operator_do_not_import_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_build_bounds_are_the_crds():
+    """`kiln build` refuses exactly what the API server refuses: the integer build fields'
+    minimum and maximum in crds/inferenceengine.yaml equal enginespec.BUILD_INT_BOUNDS."""
+    import pathlib
+
+    import yaml
+
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "crds" / "inferenceengine.yaml").read_text())
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["build"][
+        "properties"]
+    assert {k: (props[k]["minimum"], props[k]["maximum"]) for k in es.BUILD_INT_BOUNDS} == es.BUILD_INT_BOUNDS
+

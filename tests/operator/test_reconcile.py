@@ -224,6 +224,21 @@ def test_model_len_above_the_build_limit_is_invalid(kube, rec):
     assert rec.reconcile(ie(kube)).hash is not None
 
 
+@pytest.mark.parametrize("runtime, build, word", [
+    ({"maxNumSeqs": 128}, {}, "runtime.maxNumSeqs 128 is larger than build.maxBatchSize 64"),
+    ({"maxNumBatchedTokens": 16384}, {"maxNumTokens": 4096}, "runtime.maxNumBatchedTokens 16384 is larger than "
+                                                              "build.maxNumTokens 4096"),
+])
+def test_batch_above_the_build_limits_is_invalid(kube, rec, runtime, build, word):
+    """kiln serve refuses --max-num-seqs / --max-num-batched-tokens past the engine's
+    --max-batch-size / --max-num-tokens: a Degraded / InvalidSpec condition, no Deployment."""
+    make_ie(kube, {**SPEC, "build": {**SPEC.get("build", {}), **build}, "runtime": runtime})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED and out.hash is None
+    assert word in cond(ie(kube), "Degraded")["message"]
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+
+
 def test_missing_existing_claim_degrades(kube, rec):
     make_ie(kube, {**SPEC, "storage": {"claimName": "mine", "create": False}})
     out = rec.reconcile(ie(kube))

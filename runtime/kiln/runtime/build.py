@@ -287,6 +287,9 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         tok = loader.load_tokenizer(hf)
     except (loader.ModelSourceError, UnsupportedModelError) as e:
         raise BadInputError(str(e)) from e
+    if tok is None:  # checked before calibration and quantization, which take minutes
+        raise BadInputError(f"no tokenizer in {hf.path} (tokenizer.json, tokenizer_config.json or tokenizer.model): "
+                            f"an engine ships its model's tokenizer; add the tokenizer files to the folder")
     # as vLLM refuses a max_model_len past the model's context; the default limit (4096) is left
     # alone for shorter models: serving caps it at the model's context
     if spec.max_seq_len > cfg.max_position_embeddings and spec.max_seq_len != BUILD_DEFAULTS["maxSeqLen"]:
@@ -382,8 +385,8 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--group-size", type=int, default=None,  # None: not given (the default, int4 methods only)
                         help=f"int4 group size: 32, 64 or 128; must divide every layer's input features "
                              f"(default: {d['groupSize']})")
-    parser.add_argument("--smoothquant-alpha", default=d["smoothquantAlpha"],
-                        help="SmoothQuant migration strength in [0, 1] (default: %(default)s)")
+    parser.add_argument("--smoothquant-alpha", default=None,  # None: not given (int8-smoothquant only)
+                        help=f"SmoothQuant migration strength in [0, 1] (default: {d['smoothquantAlpha']})")
     parser.add_argument("--kv-cache-dtype", default=d["kvCacheDtype"], help=f"one of {', '.join(KV_CACHE_DTYPES)}")
     parser.add_argument("--calibration-samples", type=int, default=d["calibrationSamples"],
                         help="calibration samples of 128 tokens from the shipped text (default: %(default)s)")
@@ -449,10 +452,11 @@ def run_build(args: argparse.Namespace) -> int:
     except EngineSpecError as e:
         print(f"kiln build: error: {_cli_spelling(str(e))}", file=sys.stderr)
         return 2
-    for flag, given in (("--group-size", args.group_size is not None),
-                        ("--quantize-lm-head", getattr(args, "quantize_lm_head", False))):
-        if given and spec.quantization not in GROUPED_METHODS:
-            print(f"kiln build: error: {flag} applies only to {' and '.join(GROUPED_METHODS)}, "
+    for flag, given, methods in (("--group-size", args.group_size is not None, GROUPED_METHODS),
+                                 ("--quantize-lm-head", getattr(args, "quantize_lm_head", False), GROUPED_METHODS),
+                                 ("--smoothquant-alpha", args.smoothquant_alpha is not None, ("int8-smoothquant",))):
+        if given and spec.quantization not in methods:
+            print(f"kiln build: error: {flag} applies only to {' and '.join(methods)}, "
                   f"not to --quantization {spec.quantization}", file=sys.stderr)
             return 2
     if getattr(args, "print_hash", False):

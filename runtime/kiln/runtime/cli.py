@@ -19,8 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, help="builtin:<name>, a .gguf file or a Hugging Face folder "
                      "(default: builtin:smollm2-135m-instruct)")
     src.add_argument("--engine", default=None, help="a Kiln engine folder written by `kiln build`")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per step (default: 64, at most an engine's build --max-batch-size)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: 2048, at most an engine's build --max-num-tokens)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (tokens)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,

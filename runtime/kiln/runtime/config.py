@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -18,8 +18,10 @@ class EngineArgs:
     engine: str | None = None  # a Kiln engine folder (from ``kiln build``)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: the serving default (64 sequences, 2048 tokens), capped by an engine's build limits
+    # (max_batch_size, max_num_tokens); an explicit value above an engine's limit is an error
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.85
@@ -58,12 +60,48 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.max_num_seqs < 1:
+        if self.engine and self.load_format == "dummy":
+            raise ValueError("load_format dummy (random weights of a model's shape) applies to a model, not to an "
+                             "engine, whose weights are always loaded")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.scheduler_policy not in ("max_utilization", "guaranteed_no_evict"):
             raise ValueError(
                 f"scheduler_policy must be max_utilization or guaranteed_no_evict, got {self.scheduler_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+
+
+DEFAULT_MAX_NUM_SEQS = 64  # sequences per step when neither the flag nor an engine says
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step, likewise
+
+
+def resolve_batch_limits(args: EngineArgs, limits: dict | None = None) -> EngineArgs:
+    """``args`` with ``max_num_seqs`` and ``max_num_batched_tokens`` set.
+
+    ``limits`` is an engine manifest's ``limits`` (``max_batch_size``, ``max_num_tokens``;
+    None or {} for a model served directly).  A value left None becomes the serving default
+    (64 sequences, 2048 tokens) capped by the engine's limit; an explicit value above the
+    limit is refused, as TensorRT-LLM's runtime refuses a batch larger than its engine's.
+
+    Raises:
+        ValueError: an explicit value above the engine's build limit (names both flags).
+    """
+    limits = limits or {}
+    resolved = {}
+    for field, default, key, flag, build in (
+            ("max_num_seqs", DEFAULT_MAX_NUM_SEQS, "max_batch_size", "--max-num-seqs",
+             "--max-batch-size / build.maxBatchSize"),
+            ("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS, "max_num_tokens",
+             "--max-num-batched-tokens", "--max-num-tokens / build.maxNumTokens")):
+        value, limit = getattr(args, field), int(limits.get(key) or 0)
+        if value is None:
+            value = min(default, limit) if limit else default
+        elif limit and value > limit:
+            raise ValueError(f"{flag} {value} is larger than the engine's build limit {limit} ({build}); "
+                             f"rebuild the engine with a larger limit or serve at most {limit}")
+        resolved[field] = value
+    return replace(args, **resolved)
+

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from . import loader
-from .config import EngineArgs
+from .config import EngineArgs, resolve_batch_limits
 from .core.config import SchedulerConfig
 from .core.request import Request, RequestStatus
 from .core.sched_output import SchedulerOutput
@@ -128,11 +128,13 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {args.max_model_len} is larger than the engine's build limit "
                                  f"({engine_limit} tokens, build max_seq_len / build.maxSeqLen); rebuild with a "
                                  f"larger --max-seq-len or serve a shorter context")
+            args = self.args = resolve_batch_limits(args, eng.manifest.get("limits"))
             self.tokenizer = eng.load_tokenizer()
             self.model_ref = eng.model_ref
             self.runner = ModelRunner(self.model_config, args)
             eng.load_into(self.runner)
         else:
+            args = self.args = resolve_batch_limits(args)
             src = loader.materialize_gguf(loader.resolve_source(args.model))
             self.model_ref = src.ref
             self.model_config = loader.load_model_config(src)

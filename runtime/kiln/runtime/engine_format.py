@@ -176,6 +176,8 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
             modified weight file.
     """
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise EngineFormatError(f"engine {p} is a file, not an engine folder (the folder `kiln build --output` wrote)")
     if not p.is_dir():
         raise EngineFormatError(f"engine folder {p} does not exist")
     m = read_manifest(p)
@@ -186,14 +188,14 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
             f"rebuild it with this Kiln's `kiln build` (or serve it with the Kiln that built it)")
     if not (p / COMPLETE_MARKER).is_file():
         raise EngineFormatError(f"engine {p} is incomplete ({COMPLETE_MARKER} missing): its build did not finish; rebuild it")
-    for key in ("engine_hash", "build_spec", "model", "quantization", "weights"):
+    for key in ("engine_hash", "build_spec", "model", "quantization", "weights", "manifest_sha256"):
         if key not in m:
             raise EngineFormatError(f"engine {p}: manifest lacks {key!r}")
     h = str(m["engine_hash"])
     if len(h) < 16 or spec_hash(m["build_spec"], len(h)) != h:
         raise EngineFormatError(f"engine {p}: manifest's engine hash {h!r} does not match its build spec "
                                 f"(edited or corrupt manifest); rebuild it")
-    if "manifest_sha256" in m and manifest_digest(m) != m["manifest_sha256"]:
+    if manifest_digest(m) != m["manifest_sha256"]:
         raise EngineFormatError(f"engine {p}: manifest.json was modified after the build (its sha256 does not "
                                 f"match manifest_sha256); rebuild it")
     if verify is None:

@@ -160,14 +160,22 @@ def _decimal_str(d: Decimal) -> str:
     return "0" if s in ("-0", "") else s
 
 
-def _int(value: Any, field_name: str, minimum: int = 1) -> int:
+def _int(value: Any, field_name: str, minimum: int = 1, maximum: int | None = None) -> int:
     d = parse_quantity(value, field_name)
     if d != d.to_integral_value():
         raise EngineSpecError(f"{field_name}: {value!r} is not an integer")
     i = int(d)
     if i < minimum:
         raise EngineSpecError(f"{field_name}: {i} is below the minimum {minimum}")
+    if maximum is not None and i > maximum:
+        raise EngineSpecError(f"{field_name}: {i} is above the maximum {maximum}")
     return i
+
+
+# Bounds of the integer build fields, the same as the CRD's minimum / maximum (a test holds
+# them equal), so `kiln build` refuses what `kubectl apply` would.
+BUILD_INT_BOUNDS = {"calibrationSamples": (1, 100000), "maxSeqLen": (16, 1048576),
+                    "maxBatchSize": (1, 4096), "maxNumTokens": (16, 1048576)}
 
 
 def _method(value: Any) -> str:
@@ -317,11 +325,9 @@ class BuildSpec:
         object.__setattr__(self, "kv_cache_dtype", kv)
         if not isinstance(self.quantize_lm_head, bool):
             raise EngineSpecError(f"build.quantizeLmHead: expected true or false, got {self.quantize_lm_head!r}")
-        for name, fname in (("calibration_samples", "build.calibrationSamples"),
-                            ("max_seq_len", "build.maxSeqLen"),
-                            ("max_batch_size", "build.maxBatchSize"),
-                            ("max_num_tokens", "build.maxNumTokens")):
-            object.__setattr__(self, name, _int(getattr(self, name), fname))
+        for name, key in (("calibration_samples", "calibrationSamples"), ("max_seq_len", "maxSeqLen"),
+                          ("max_batch_size", "maxBatchSize"), ("max_num_tokens", "maxNumTokens")):
+            object.__setattr__(self, name, _int(getattr(self, name), f"build.{key}", *BUILD_INT_BOUNDS[key]))
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> "BuildSpec":

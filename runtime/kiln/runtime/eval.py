@@ -228,7 +228,7 @@ def run_eval(args: argparse.Namespace) -> int:
         text = getattr(args, "text", None)
         if text is not None and Path(text).is_dir():
             raise ValueError(f"--text {text}: is a directory, not a text file")
-        if text is not None and not Path(text).is_file():
+        if text is not None and not Path(text).exists():
             raise FileNotFoundError(f"--text {text}: no such file")
         if args.eval_command == "perplexity":
             r = perplexity(args.model, args.engine, args.text, args.max_tokens, args.window, args.device, args.dtype)
