@@ -104,4 +104,3 @@ def resolve_batch_limits(args: EngineArgs, limits: dict | None = None) -> Engine
                              f"rebuild the engine with a larger limit or serve at most {limit}")
         resolved[field] = value
     return replace(args, **resolved)
-
