@@ -182,7 +182,12 @@ def test_suspend_scales_to_zero_and_stops_builds(kube, rec):
 
 def test_autoscaling_modes_own_replicas_exclusively(kube):
     wish = {"n": None}
-    rec = Reconciler(kube, scaler=lambda key: (wish["n"], {"desiredReplicas": wish["n"]} if wish["n"] else None))
+    def scaler(key):  # the builtin autoscaler answers for the resource it is asked about only
+        if key != f"{NS}/smollm2":
+            return None, None
+        return wish["n"], {"desiredReplicas": wish["n"]} if wish["n"] else None
+
+    rec = Reconciler(kube, scaler=scaler)
     spec = {**SPEC, "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 5}}
     make_ie(kube, spec)
     h = engine_hash(spec)

@@ -133,13 +133,13 @@ class Reconciler:
             bs = BuildSpec.from_dict(spec)
             rt = spec.get("runtime") or {}
             # kiln serve refuses to serve past an engine's build limits: every pod would crash
-            for key, build_key, limit in (("maxModelLen", "maxSeqLen", bs.max_seq_len),
-                                          ("maxNumSeqs", "maxBatchSize", bs.max_batch_size),
-                                          ("maxNumBatchedTokens", "maxNumTokens", bs.max_num_tokens)):
-                v = rt.get(key)
+            for rt_field, build_field, limit in (("maxModelLen", "maxSeqLen", bs.max_seq_len),
+                                                 ("maxNumSeqs", "maxBatchSize", bs.max_batch_size),
+                                                 ("maxNumBatchedTokens", "maxNumTokens", bs.max_num_tokens)):
+                v = rt.get(rt_field)
                 if isinstance(v, int) and not isinstance(v, bool) and v > limit:
-                    raise EngineSpecError(f"runtime.{key} {v} is larger than build.{build_key} {limit}: an engine "
-                                          f"serves at most the limits it was built for")
+                    raise EngineSpecError(f"runtime.{rt_field} {v} is larger than build.{build_field} {limit}: an "
+                                          f"engine serves at most the limits it was built for")
         except EngineSpecError as e:
             status.update(phase=c.PHASE_DEGRADED, replicas=0, readyReplicas=0)
             status["conditions"] = cond.merge_conditions(old_status.get("conditions"), [
