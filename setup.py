@@ -1,11 +1,11 @@
-"""Maps the namespace package ``kiln`` onto the three source folders (runtime/, kernels/,
-operator/); everything else lives in pyproject.toml."""
+"""Maps the namespace package ``kiln`` onto the four source folders (common/, runtime/,
+kernels/, operator/); everything else lives in pyproject.toml."""
 
 from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
 
-_ROOTS = ("runtime", "kernels", "operator")
+_ROOTS = ("common", "runtime", "kernels", "operator")
 packages: list[str] = []
 package_dir: dict[str, str] = {}
 for root in _ROOTS:

@@ -71,7 +71,7 @@ def tiny_model(tmp_path_factory, smollm_hf) -> Path:
 def tiny_engines(tmp_path_factory, tiny_model):
     """One engine per method, built once: {name: path}."""
     from kiln.runtime.build import build_engine
-    from kiln.runtime.enginespec import BuildSpec
+    from kiln.common.enginespec import BuildSpec
 
     root = tmp_path_factory.mktemp("engines")
     specs = {

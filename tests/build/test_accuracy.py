@@ -47,7 +47,7 @@ def baseline():
 @pytest.mark.parametrize("name", list(SPECS))
 def test_perplexity_gate(name, baseline, tmp_path):
     from kiln.runtime.build import build_engine
-    from kiln.runtime.enginespec import BuildSpec
+    from kiln.common.enginespec import BuildSpec
     from kiln.runtime.eval import perplexity
 
     src = "builtin:smollm2-135m-instruct"
@@ -63,7 +63,7 @@ def test_perplexity_gate(name, baseline, tmp_path):
 def test_default_group_size_does_not_fit_smollm2(tmp_path):
     """SmolLM2-135M's hidden size 576 is not a multiple of 128: int4 needs --group-size 64/32."""
     from kiln.runtime.build import BadInputError, build_engine
-    from kiln.runtime.enginespec import BuildSpec
+    from kiln.common.enginespec import BuildSpec
 
     spec = BuildSpec.from_cli("builtin:smollm2-135m-instruct", quantization="int4-awq")
     with pytest.raises(BadInputError, match=r"group size 128 does not divide .* \[32, 64\]"):

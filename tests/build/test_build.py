@@ -15,8 +15,10 @@ import torch
 
 from kiln.runtime import build as build_mod
 from kiln.runtime.build import BadInputError, BuildError, add_build_args, build_engine, run_build
-from kiln.runtime.engine_format import EngineFormatError, manifest_digest, open_engine
-from kiln.runtime.enginespec import COMPLETE_MARKER, MANIFEST_FILENAME, BuildSpec, engine_hash
+from kiln.common.constants import COMPLETE_MARKER, MANIFEST_FILENAME
+from kiln.common.enginespec import BuildSpec, engine_hash
+from kiln.common.manifest import EngineFormatError, manifest_digest
+from kiln.runtime.engine_folder import open_engine
 
 METHODS = ["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq", "kv-fp8", "int4-awq-lm-head",
            "int4-gptq-lm-head"]
@@ -582,7 +584,7 @@ def test_engine_build_limit_caps_the_served_context(tiny_model, tmp_path):
     from kiln.runtime import LLM, SamplingParams
     from kiln.runtime.build import build_engine
     from kiln.runtime.engine import InvalidRequestError
-    from kiln.runtime.enginespec import BuildSpec
+    from kiln.common.enginespec import BuildSpec
 
     path = build_engine(BuildSpec.from_cli(str(tiny_model), max_seq_len=64), str(tiny_model), tmp_path / "e",
                         device="cpu").path

@@ -4,7 +4,7 @@ import copy
 
 from kiln.operator import builders as b
 from kiln.operator import constants as c
-from kiln.runtime.enginespec import engine_hash
+from kiln.common.enginespec import engine_hash
 
 OWNER = {"name": "smollm2", "namespace": "team-a", "uid": "u-1"}
 SPEC = {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int4-awq"},
@@ -140,7 +140,7 @@ def test_build_job_args_are_kiln_builds_flags_and_give_the_operators_hash():
         h = engine_hash(spec)
         args = container(b.build_job(spec, h, OWNER))["args"]
         a = build.add_build_args(argparse.ArgumentParser()).parse_args(args)
-        from kiln.runtime.enginespec import BuildSpec
+        from kiln.common.enginespec import BuildSpec
         got = BuildSpec.from_cli(a.model, quantization=a.quantization, group_size=a.group_size,
                                  smoothquant_alpha=a.smoothquant_alpha, kv_cache_dtype=a.kv_cache_dtype,
                                  calibration_samples=a.calibration_samples, max_seq_len=a.max_seq_len,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.runtime.enginespec import BUILD_DEFAULTS, QUANTIZATION_METHODS, engine_hash
+from kiln.common.enginespec import BUILD_DEFAULTS, QUANTIZATION_METHODS, engine_hash
 
 from crdcheck import ROOT, admit, load_crd, version_schema
 

@@ -1,4 +1,4 @@
-"""kiln.runtime.enginespec: normalization and the engine hash (torch-free)."""
+"""kiln.common.enginespec: normalization and the engine hash (torch-free)."""
 
 import json
 import subprocess
@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from kiln.runtime import enginespec as es
+from kiln.common import constants, manifest
+from kiln.common import enginespec as es
 
 SMOL = {"builtin": "smollm2-135m-instruct"}
 
@@ -18,7 +19,7 @@ def h(build=None, model=SMOL):
 def test_hash_is_hex_of_fixed_length_and_deterministic():
     a = h({"quantization": "int4-awq"})
     assert a == h({"quantization": "int4-awq"})
-    assert len(a) == es.HASH_LENGTH and int(a, 16) >= 0
+    assert len(a) == constants.HASH_LENGTH and int(a, 16) >= 0
 
 
 @pytest.mark.parametrize("build", [
@@ -78,9 +79,9 @@ def test_fields_outside_the_build_do_not_change_the_hash():
 
 def test_format_version_is_hashed():
     d = es.normalize_build_spec({"model": SMOL})
-    assert d["format_version"] == es.ENGINE_FORMAT_VERSION
+    assert d["format_version"] == constants.ENGINE_FORMAT_VERSION
     bs = es.BuildSpec.from_dict({"model": SMOL})
-    other = es.BuildSpec(source=bs.source, format_version=es.ENGINE_FORMAT_VERSION + 1)
+    other = es.BuildSpec(source=bs.source, format_version=constants.ENGINE_FORMAT_VERSION + 1)
     assert other.hash() != bs.hash()
 
 
@@ -148,18 +149,18 @@ def test_build_args_round_trip_to_the_same_hash():
 def test_is_engine_complete(tmp_path):
     d = tmp_path / "abc"
     d.mkdir()
-    assert not es.is_engine_complete(str(d))
-    (d / es.MANIFEST_FILENAME).write_text(json.dumps({"format_version": es.ENGINE_FORMAT_VERSION, "engine_hash": "abc123"}))
-    assert not es.is_engine_complete(str(d))  # no marker yet: still being written
-    (d / es.COMPLETE_MARKER).write_text("")
-    assert es.is_engine_complete(str(d))
-    assert es.is_engine_complete(str(d), expected_hash="abc")
-    assert not es.is_engine_complete(str(d), expected_hash="ffff")
-    (d / es.MANIFEST_FILENAME).write_text(json.dumps({"format_version": 999}))
-    assert not es.is_engine_complete(str(d))
-    (d / es.MANIFEST_FILENAME).write_text("{truncated")
-    assert not es.is_engine_complete(str(d))
-    assert not es.is_engine_complete(str(tmp_path / "missing"))
+    assert not manifest.is_engine_complete(str(d))
+    (d / constants.MANIFEST_FILENAME).write_text(json.dumps({"format_version": constants.ENGINE_FORMAT_VERSION, "engine_hash": "abc123"}))
+    assert not manifest.is_engine_complete(str(d))  # no marker yet: still being written
+    (d / constants.COMPLETE_MARKER).write_text("")
+    assert manifest.is_engine_complete(str(d))
+    assert manifest.is_engine_complete(str(d), expected_hash="abc")
+    assert not manifest.is_engine_complete(str(d), expected_hash="ffff")
+    (d / constants.MANIFEST_FILENAME).write_text(json.dumps({"format_version": 999}))
+    assert not manifest.is_engine_complete(str(d))
+    (d / constants.MANIFEST_FILENAME).write_text("{truncated")
+    assert not manifest.is_engine_complete(str(d))
+    assert not manifest.is_engine_complete(str(tmp_path / "missing"))
 
 
 def test_parse_quantity():
@@ -171,9 +172,10 @@ def test_parse_quantity():
 
 
 def test_enginespec_and_operator_do_not_import_torch():
-    code = ("import sys, kiln.runtime.enginespec, kiln.operator.main, kiln.operator.reconcile;"
+    code = ("import sys, kiln.common.constants, kiln.common.enginespec, kiln.common.manifest,"
+            " kiln.common.metrics, kiln.operator.main, kiln.operator.reconcile;"
             "bad=[m for m in sys.modules if m.split('.')[0] in ('torch','transformers','triton')"
-            " or (m.startswith('kiln.runtime.') and m != 'kiln.runtime.enginespec')];"
+            " or m.startswith('kiln.runtime')];"
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

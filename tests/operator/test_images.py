@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kiln.operator import builders as b
-from kiln.runtime.enginespec import HTTP_PORT
+from kiln.common.constants import HTTP_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from kiln.operator import builders as b
 from kiln.operator import constants as c
 from kiln.operator.kube import Kube, KubeConfig
 from kiln.operator.main import OperatorOptions, start_in_thread
-from kiln.runtime.enginespec import engine_hash
+from kiln.common.enginespec import engine_hash
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

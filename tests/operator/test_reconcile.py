@@ -7,7 +7,7 @@ import pytest
 from kiln.operator import builders as b
 from kiln.operator import constants as c
 from kiln.operator.reconcile import Reconciler, ReconcilerConfig, job_state
-from kiln.runtime.enginespec import engine_hash
+from kiln.common.enginespec import engine_hash
 
 from fakekube import FakeKube
 

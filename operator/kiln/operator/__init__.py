@@ -1,7 +1,7 @@
 """The Kiln operator: reconciles ``InferenceEngine`` resources (group ``kiln.dev``) into an
 engine cache claim, a build Job, a serving Deployment, a Service and an autoscaler.
 
-Torch-free: imports only ``kiln.runtime.enginespec`` from the runtime.  Entry point:
+Torch-free: shares ``kiln.common`` with the runtime, never imports ``kiln.runtime``.  Entry point:
 ``kiln.operator.main:run(argv) -> int`` (``kiln operator ...``).  Modules: ``constants``
 (names, labels), ``builders`` (pure manifest functions), ``kube`` (the API client and the one
 server-side-apply helper), ``conditions``, ``reconcile`` (level-based reconcile of one

@@ -13,7 +13,7 @@ import math
 from decimal import Decimal
 from typing import Any, Mapping
 
-from kiln.runtime.enginespec import BuildSpec, engine_dir
+from kiln.common.enginespec import BuildSpec, engine_dir
 
 from . import constants as c
 
@@ -198,7 +198,7 @@ def engine_record(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any],
     content.  Delete it to force a rebuild."""
     bs = BuildSpec.from_dict(spec)
     claim = storage(spec)["claimName"]
-    from kiln.runtime.enginespec import canonical_json
+    from kiln.common.enginespec import canonical_json
     meta = _meta(owner, record_name(claim, hash_), c.COMPONENT_RECORD, hash_, owned=False)
     meta["labels"].pop(c.LABEL_ENGINE)
     meta["labels"].pop(c.LABEL_INSTANCE)

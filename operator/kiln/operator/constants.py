@@ -1,19 +1,19 @@
 """Names shared by the operator's modules: API coordinates, labels, the field manager.
 
-Ports, paths and metric names come from ``kiln.runtime.enginespec`` so the serving side and
-the operator cannot drift apart.
+Ports, paths and metric names come from ``kiln.common`` so the serving side and the
+operator cannot drift apart.
 """
 
 from __future__ import annotations
 
-from kiln.runtime.enginespec import (  # noqa: F401  (re-exported)
+from kiln.common.constants import (  # noqa: F401  (re-exported)
     DEFAULT_CACHE_ROOT,
     HEALTH_PATH,
     HTTP_PORT,
-    METRIC_REQUEST_QUEUE_TIME,
     METRICS_PATH,
     READY_PATH,
 )
+from kiln.common.metrics import METRIC_REQUEST_QUEUE_TIME  # noqa: F401  (re-exported)
 
 GROUP = "kiln.dev"
 VERSION = "v1alpha1"

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from kiln.runtime.enginespec import BuildSpec, EngineSpecError
+from kiln.common.enginespec import BuildSpec, EngineSpecError
 
 from . import builders as b
 from . import conditions as cond

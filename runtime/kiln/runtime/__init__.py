@@ -1,8 +1,8 @@
 """Kiln's inference runtime: paged KV cache, in-flight batching, OpenAI-compatible server.
 
 ``from kiln.runtime import LLM, SamplingParams`` is the offline API.  The names are
-resolved lazily so that torch-free modules of this package (``kiln.runtime.enginespec``,
-``kiln.runtime.core``) can be imported by the operator without pulling in torch.
+resolved lazily so that torch-free modules of this package (``kiln.runtime.core``) can be
+imported without pulling in torch.
 """
 
 from __future__ import annotations

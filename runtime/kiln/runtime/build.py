@@ -1,6 +1,6 @@
 """``kiln build``: quantize and compile a model into a content-addressed engine folder.
 
-The engine hash comes from ``kiln.runtime.enginespec`` (torch-free, shared with the operator)
+The engine hash comes from ``kiln.common.enginespec`` (torch-free, shared with the operator)
 over the normalized build spec, so ``kiln build`` and the operator always agree on an
 engine's path.  The build runs in a temporary folder next to ``--output`` and is renamed into
 place only when complete (manifest, weights, tokenizer, completion marker), so a failed,
@@ -29,18 +29,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .enginespec import (
+from kiln.common.constants import COMPLETE_MARKER, ENGINE_FORMAT_VERSION, MANIFEST_FILENAME
+from kiln.common.enginespec import (
     BUILD_DEFAULTS,
-    COMPLETE_MARKER,
-    ENGINE_FORMAT_VERSION,
     GROUPED_METHODS,
     KV_CACHE_DTYPES,
-    MANIFEST_FILENAME,
     QUANTIZATION_METHODS,
     BuildSpec,
     EngineSpecError,
+)
+from kiln.common.manifest import (
+    EngineFormatError,
     is_engine_complete,
+    manifest_digest,
     read_manifest,
+    sha256_file,
+    verify_engine,
 )
 
 MAX_SHARD_BYTES = 4 << 30  # weights per safetensors file
@@ -79,8 +83,6 @@ def _stderr_progress(msg: str) -> None:
 def source_checksum(src) -> str:
     """``sha256:<hex>`` of a resolved source: the GGUF file's bytes, or for a Hugging Face
     folder the sha256 of ``name sha256`` lines of its config.json and *.safetensors."""
-    from .engine_format import sha256_file  # noqa: PLC0415
-
     if src.kind == "gguf":
         return "sha256:" + sha256_file(src.path)
     import hashlib  # noqa: PLC0415
@@ -106,8 +108,6 @@ def _fsync_tree(root: Path) -> None:
 def _save_weights(tensors: dict, out: Path, meta: dict[str, str]) -> list[dict]:
     """Write sorted tensors into ≤4 GiB safetensors shards; returns the manifest entries."""
     from safetensors.torch import save_file  # noqa: PLC0415
-
-    from .engine_format import sha256_file  # noqa: PLC0415
 
     names = sorted(tensors)
     shards: list[list[str]] = [[]]
@@ -168,10 +168,8 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
     h = spec.hash()
     if out.exists():
         if is_engine_complete(str(out), h):
-            from .engine_format import EngineFormatError, open_engine  # noqa: PLC0415
-
             try:  # a finished engine of this hash: still intact (weights against their checksums)?
-                open_engine(out, verify=True)
+                verify_engine(out, verify_checksums=True)
             except EngineFormatError as e:
                 raise BuildError(f"{out} holds engine {h} but it fails verification ({e}); remove it and build "
                                  "again") from None
@@ -183,7 +181,10 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
         if out.is_dir() and not any(out.iterdir()):
             pass  # an empty folder (e.g. a mount point's child) is replaced by the rename
         elif is_engine_complete(str(out)):  # a finished engine, of another build spec
-            other = (read_manifest(str(out)) or {}).get("engine_hash", "?")
+            try:
+                other = read_manifest(out).get("engine_hash", "?")
+            except EngineFormatError:  # removed or rewritten since the check above
+                other = "?"
             raise BuildError(f"{out} holds engine {other}, built from a different spec than this one ({h}); "
                              "remove it or pick another --output")
         else:
@@ -321,8 +322,6 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     if handler.needs_calibration or kv:
         samples = calibration.calibration_samples(tok, spec.calibration_samples)
         text_path = calibration.data_path("calibration.txt")
-        from .engine_format import sha256_file  # noqa: PLC0415
-
         calib_info = {"text": "kiln/runtime/data/calibration.txt", "text_sha256": sha256_file(text_path),
                       "samples_requested": spec.calibration_samples, "samples_used": len(samples),
                       "sample_tokens": calibration.SAMPLE_TOKENS}
@@ -366,8 +365,6 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         "calibration": calib_info,
         "builder": {"version": BUILDER_VERSION, "torch": torch.__version__.split("+")[0], "device": dev.type},
     }
-    from .engine_format import manifest_digest, sha256_file  # noqa: PLC0415
-
     manifest["tokenizer_sha256"] = {f: sha256_file(tmp / f) for f in tok_files if (tmp / f).is_file()}
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -375,7 +372,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
 
 # -- CLI -------------------------------------------------------------------------------------
 def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``kiln build``'s flags to ``parser`` (defaults equal ``enginespec.BUILD_DEFAULTS``)."""
+    """Add ``kiln build``'s flags to ``parser`` (defaults equal ``kiln.common.enginespec.BUILD_DEFAULTS``)."""
     d = BUILD_DEFAULTS
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
                         help="builtin:<name>, a .gguf file or a Hugging Face folder (default: %(default)s)")

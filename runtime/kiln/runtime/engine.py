@@ -117,7 +117,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         engine_limit = 0  # an engine's build max_seq_len (tokens)
         if args.engine:
-            from .engine_format import open_engine  # noqa: PLC0415  (kiln build's output)
+            from .engine_folder import open_engine  # noqa: PLC0415  (kiln build's output)
 
             eng = open_engine(args.engine)
             self.model_config: ModelConfig = eng.model_config

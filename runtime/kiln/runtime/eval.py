@@ -34,7 +34,7 @@ class PerplexityResult:
 
 
 def _is_engine(ref: str) -> bool:
-    from .enginespec import MANIFEST_FILENAME  # noqa: PLC0415
+    from kiln.common.constants import MANIFEST_FILENAME  # noqa: PLC0415
 
     return Path(ref).is_dir() and (Path(ref) / MANIFEST_FILENAME).is_file()
 
@@ -220,7 +220,7 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Run ``kiln eval ...``; returns the exit code (2 for a bad model/engine/text)."""
-    from .engine_format import EngineFormatError  # noqa: PLC0415
+    from kiln.common.manifest import EngineFormatError  # noqa: PLC0415
     from .loader import ModelSourceError  # noqa: PLC0415
     from .model.config import UnsupportedModelError  # noqa: PLC0415
 

@@ -35,8 +35,9 @@ class ModelSourceError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelSource:
-    """A resolved model source.
+class ResolvedSource:
+    """A model source resolved to local files (a spec's reference to it is
+    ``kiln.common.enginespec.ModelRef``).
 
     ``kind`` is "gguf" (``path`` is the .gguf file) or "hf" (``path`` is a folder with
     config.json + safetensors).  ``ref`` is the user's spelling (e.g. ``builtin:...``).
@@ -48,15 +49,17 @@ class ModelSource:
 
     @property
     def gguf_dir(self) -> str:
+        """The folder holding the .gguf file (kind "gguf")."""
         return str(self.path.parent)
 
     @property
     def gguf_name(self) -> str:
+        """The .gguf file's name (kind "gguf")."""
         return self.path.name
 
 
-def resolve_source(src: str | os.PathLike | None) -> ModelSource:
-    """Map a user's model reference to a :class:`ModelSource`.
+def resolve_source(src: str | os.PathLike | None) -> ResolvedSource:
+    """Map a user's model reference to a :class:`ResolvedSource`.
 
     Raises:
         ModelSourceError: unknown builtin, missing package, or a path that is neither a
@@ -68,7 +71,7 @@ def resolve_source(src: str | os.PathLike | None) -> ModelSource:
         cfg_dir = Path(__file__).parent / "data" / "configs" / name
         if name not in BUILTIN_MODELS and (cfg_dir / "config.json").is_file():
             # A real architecture's shape without weights: for --load-format dummy.
-            return ModelSource("hf", cfg_dir, ref)
+            return ResolvedSource("hf", cfg_dir, ref)
         if name not in BUILTIN_MODELS:
             known = sorted(BUILTIN_MODELS) + sorted(p.name for p in (Path(__file__).parent / "data" / "configs").iterdir())
             raise ModelSourceError(f"unknown builtin model {name!r}; available: {known}")
@@ -82,13 +85,13 @@ def resolve_source(src: str | os.PathLike | None) -> ModelSource:
         for loc in spec.submodule_search_locations:
             p = Path(loc) / fname
             if p.is_file():
-                return ModelSource("gguf", p, ref)
+                return ResolvedSource("gguf", p, ref)
         raise ModelSourceError(f"{fname} not found in package {pkg}")
     p = Path(ref).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return ModelSource("gguf", p.resolve(), ref)
+        return ResolvedSource("gguf", p.resolve(), ref)
     if p.is_dir() and (p / "config.json").is_file():
-        return ModelSource("hf", p.resolve(), ref)
+        return ResolvedSource("hf", p.resolve(), ref)
     if p.is_dir() and (p / "manifest.json").is_file():
         raise ModelSourceError(f"{p} is a Kiln engine; use --engine {p} (or LLM(engine=...))")
     if not p.exists():
@@ -101,7 +104,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
 
 
-def materialize_gguf(src: ModelSource) -> ModelSource:
+def materialize_gguf(src: ResolvedSource) -> ResolvedSource:
     """Convert a GGUF source once into a Hugging Face folder (config.json, float32
     model.safetensors, tokenizer files) under ``cache_root()/models/<stem>-<sha>``, and
     return that folder as an "hf" source with the original ``ref``.  Later loads skip the
@@ -116,7 +119,7 @@ def materialize_gguf(src: ModelSource) -> ModelSource:
     digest = file_sha256(src.path)[:16]
     dest = cache_root() / "models" / f"{src.path.stem}-{digest}"
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
-        return ModelSource("hf", dest, src.ref)
+        return ResolvedSource("hf", dest, src.ref)
     from safetensors.torch import save_file  # noqa: PLC0415
     import shutil  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
@@ -145,7 +148,7 @@ def materialize_gguf(src: ModelSource) -> ModelSource:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ModelSource("hf", dest, src.ref)
+    return ResolvedSource("hf", dest, src.ref)
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -157,7 +160,7 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def load_hf_config_dict(src: ModelSource) -> dict:
+def load_hf_config_dict(src: ResolvedSource) -> dict:
     """The Hugging Face config of the source as a plain dict.
 
     Raises:
@@ -177,12 +180,12 @@ def load_hf_config_dict(src: ModelSource) -> dict:
     return cfg.to_dict()
 
 
-def load_model_config(src: ModelSource) -> ModelConfig:
+def load_model_config(src: ResolvedSource) -> ModelConfig:
     """Kiln's :class:`ModelConfig` for a source (raises UnsupportedModelError/ModelSourceError)."""
     return ModelConfig.from_hf_dict(load_hf_config_dict(src))
 
 
-def load_tokenizer(src: ModelSource):
+def load_tokenizer(src: ResolvedSource):
     """A transformers fast tokenizer (with the chat template) for the source, or None for a
     shape-only config folder (dummy weights)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -198,7 +201,7 @@ def load_tokenizer(src: ModelSource):
         raise ModelSourceError(f"cannot load the tokenizer of {src.ref}: {e}") from e
 
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ResolvedSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of the source (GGUF tensors dequantized
     to float32 by transformers' GGUF utilities, which also undo llama.cpp's Q/K permutation).
 

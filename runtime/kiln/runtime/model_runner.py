@@ -159,7 +159,7 @@ class ModelRunner:
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def kv_cache_dtype(self) -> torch.dtype:
-        # An engine with an FP8 KV cache sets ``kv_cache_torch_dtype`` (engine_format.load_into).
+        # An engine with an FP8 KV cache sets ``kv_cache_torch_dtype`` (engine_folder.EngineFolder.load_into).
         return getattr(self, "kv_cache_torch_dtype", None) or self.dtype
 
     def profile_num_kv_blocks(self) -> int:

@@ -1,5 +1,5 @@
-"""The engine on disk: what ``kiln build`` writes and ``kiln serve --engine`` / ``LLM(engine=)``
-reads, without the original model.
+"""The engine folder's manifest: one reader and one verifier for ``kiln build``, ``kiln serve``
+and the operator.
 
 Layout of an engine folder (``<cache>/<engine hash>/``)::
 
@@ -12,11 +12,13 @@ Layout of an engine folder (``<cache>/<engine hash>/``)::
     tokenizer.json, tokenizer_config.json, ...
     .kiln-complete       written last, before the folder is renamed into place
 
-``open_engine(path)`` checks the format version, the completion marker, the engine hash
-against the recorded build spec, the manifest's own sha256 (``manifest_sha256``: model config,
-quantization, file lists), and every weight and tokenizer file's size / sha256 (set
-``KILN_ENGINE_VERIFY=0`` to skip the hashing on huge engines), and raises
-``EngineFormatError`` with a message that says what to do.
+``read_manifest(path)`` parses ``manifest.json``; ``verify_engine(path)`` checks the format
+version, the completion marker, the engine hash against the recorded build spec, the
+manifest's own sha256 (``manifest_sha256``: model config, quantization, file lists), and
+every weight and tokenizer file's size and sha256; both raise ``EngineFormatError`` with a
+message that says what to do.  ``is_engine_complete(path)`` is the cheap check (marker,
+format version, hash) that never raises.  Opening the weights is the runtime's
+(``kiln.runtime.engine_folder``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .enginespec import COMPLETE_MARKER, ENGINE_FORMAT_VERSION, MANIFEST_FILENAME, canonical_json
-from .model.config import ModelConfig
+from .constants import COMPLETE_MARKER, ENGINE_FORMAT_VERSION, HASH_LENGTH, MANIFEST_FILENAME
+from .enginespec import canonical_json
+
+__all__ = [
+    "EngineFormatError",
+    "sha256_file",
+    "manifest_digest",
+    "spec_hash",
+    "read_manifest",
+    "verify_engine",
+    "is_engine_complete",
+]
+
+# Keys every finished engine's manifest has (``verify_engine`` refuses a manifest without one).
+REQUIRED_KEYS = ("engine_hash", "build_spec", "model", "quantization", "weights", "manifest_sha256")
 
 
 class EngineFormatError(ValueError):
@@ -37,7 +51,8 @@ class EngineFormatError(ValueError):
     or files whose checksum does not match the manifest."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read ``chunk`` bytes at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while b := f.read(chunk):
@@ -55,102 +70,18 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def spec_hash(build_spec: dict[str, Any], length: int = 16) -> str:
-    """The engine hash of a manifest's normalized build spec (same rule as ``enginespec``)."""
+def spec_hash(build_spec: dict[str, Any], length: int = HASH_LENGTH) -> str:
+    """The engine hash of a manifest's normalized build spec (the rule of
+    ``kiln.common.enginespec.BuildSpec.hash``)."""
     return hashlib.sha256(canonical_json(build_spec).encode()).hexdigest()[:length]
 
 
-@dataclass
-class Engine:
-    """An opened, verified engine folder.
-
-    Attributes:
-        path: the folder.
-        manifest: the parsed ``manifest.json``.
-    """
-
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return ModelConfig.from_hf_dict(self.manifest["model"]["config"])
-
-    @property
-    def model_ref(self) -> str:
-        """The source the engine was built from (``builtin:...``), for naming only."""
-        return str(self.manifest.get("source", {}).get("ref") or self.path)
-
-    @property
-    def engine_hash(self) -> str:
-        return str(self.manifest["engine_hash"])
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        return str(self.manifest.get("kv_cache_dtype", "auto"))
-
-    def weight_files(self) -> list[Path]:
-        return [self.path / f["name"] for f in self.manifest["weights"]["files"]]
-
-    def load_tokenizer(self):
-        """The tokenizer saved in the engine (transformers fast tokenizer)."""
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
-        try:
-            return AutoTokenizer.from_pretrained(str(self.path))
-        except Exception as e:
-            raise EngineFormatError(f"engine {self.path}: cannot load its tokenizer: {e}") from e
-
-    def load_into(self, runner) -> None:
-        """Load the engine's weights into a ``ModelRunner``'s freshly built model: quantized
-        layers get their serving method, an FP8 KV cache its scales and the runner's KV
-        dtype.
-
-        Raises:
-            EngineFormatError: a tensor the model lacks, or one the engine lacks.
-        """
-        import torch  # noqa: PLC0415
-        from safetensors import safe_open  # noqa: PLC0415
-
-        from .quantization import QuantSettings, convert_for_runtime  # noqa: PLC0415
-        from .quantization import kv_fp8  # noqa: PLC0415
-
-        model = runner.model
-        convert_for_runtime(model, QuantSettings.from_manifest(self.manifest["quantization"]))
-        targets = dict(model.state_dict(keep_vars=False))
-        if model.config.tie_word_embeddings:
-            targets.pop("lm_head.weight", None)
-        kv_scales: dict[str, torch.Tensor] = {}
-        seen: set[str] = set()
-        for f in self.weight_files():
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    t = sf.get_tensor(name)
-                    if name.endswith(".attn.k_scale") or name.endswith(".attn.v_scale"):
-                        kv_scales[name] = t
-                        continue
-                    dst = targets.get(name)
-                    if dst is None:
-                        raise EngineFormatError(f"engine {self.path}: tensor {name!r} has no place in the model")
-                    if dst.shape != t.shape:
-                        raise EngineFormatError(
-                            f"engine {self.path}: tensor {name!r} has shape {tuple(t.shape)}, model wants {tuple(dst.shape)}")
-                    with torch.no_grad():
-                        dst.copy_(t)
-                    seen.add(name)
-        missing = sorted(set(targets) - seen)
-        if missing:
-            raise EngineFormatError(f"engine {self.path}: lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        if self.kv_cache_dtype == "fp8":
-            try:
-                kv_fp8.install_scales(model, kv_scales, runner.device)
-            except KeyError as e:
-                raise EngineFormatError(f"engine {self.path}: FP8 KV cache scale {e} missing") from e
-            runner.kv_cache_torch_dtype = kv_fp8.KV_DTYPE
-
-
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse ``manifest.json``.  Raises ``EngineFormatError`` when missing or malformed."""
+    """Parse the ``manifest.json`` of the engine folder ``path``.
+
+    Raises:
+        EngineFormatError: the manifest is missing, unreadable, not JSON or not an object.
+    """
     p = Path(path) / MANIFEST_FILENAME
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
@@ -163,17 +94,36 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
-    """Open and verify an engine folder.
+def is_engine_complete(path: str | os.PathLike, expected_hash: str | None = None) -> bool:
+    """True when ``path`` holds a finished engine of this format: the completion marker
+    exists, ``manifest.json`` parses, its ``format_version`` is ``ENGINE_FORMAT_VERSION`` and,
+    when ``expected_hash`` is given, its ``engine_hash`` starts with it.  Never raises."""
+    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        return False
+    try:
+        manifest = read_manifest(path)
+    except EngineFormatError:
+        return False
+    if manifest.get("format_version") != ENGINE_FORMAT_VERSION:
+        return False
+    if expected_hash is not None:
+        got = str(manifest.get("engine_hash", ""))
+        if not (got.startswith(expected_hash) or expected_hash.startswith(got)) or not got:
+            return False
+    return True
+
+
+def verify_engine(path: str | os.PathLike, verify_checksums: bool = True) -> dict[str, Any]:
+    """Verify the engine folder ``path`` and return its manifest.
 
     Args:
         path: the engine folder.
-        verify: hash every weight file against the manifest (default: on, unless
-            ``KILN_ENGINE_VERIFY=0``).  Sizes are always checked.
+        verify_checksums: hash every weight and tokenizer file against the manifest (sizes
+            are always checked).
     Raises:
         EngineFormatError: missing folder or manifest, another format version, an unfinished
-            build, a manifest whose hash does not match its spec, a missing, truncated or
-            modified weight file.
+            build, a manifest whose hash does not match its spec or that was edited, a
+            missing, truncated or modified weight or tokenizer file.
     """
     p = Path(path)
     if p.exists() and not p.is_dir():
@@ -188,18 +138,23 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
             f"rebuild it with this Kiln's `kiln build` (or serve it with the Kiln that built it)")
     if not (p / COMPLETE_MARKER).is_file():
         raise EngineFormatError(f"engine {p} is incomplete ({COMPLETE_MARKER} missing): its build did not finish; rebuild it")
-    for key in ("engine_hash", "build_spec", "model", "quantization", "weights", "manifest_sha256"):
+    for key in REQUIRED_KEYS:
         if key not in m:
             raise EngineFormatError(f"engine {p}: manifest lacks {key!r}")
     h = str(m["engine_hash"])
-    if len(h) < 16 or spec_hash(m["build_spec"], len(h)) != h:
+    if len(h) < HASH_LENGTH or spec_hash(m["build_spec"], len(h)) != h:
         raise EngineFormatError(f"engine {p}: manifest's engine hash {h!r} does not match its build spec "
                                 f"(edited or corrupt manifest); rebuild it")
     if manifest_digest(m) != m["manifest_sha256"]:
         raise EngineFormatError(f"engine {p}: manifest.json was modified after the build (its sha256 does not "
                                 f"match manifest_sha256); rebuild it")
-    if verify is None:
-        verify = os.environ.get("KILN_ENGINE_VERIFY", "1") not in ("0", "false", "no")
+    _verify_weight_files(p, m, verify_checksums)
+    _verify_tokenizer_files(p, m, verify_checksums)
+    return m
+
+
+def _verify_weight_files(p: Path, m: dict[str, Any], verify_checksums: bool) -> None:
+    """Every weight file the manifest lists is inside ``p`` with its size (and sha256)."""
     try:
         files = list(m["weights"]["files"])
         names = [str(f["name"]) for f in files]
@@ -220,9 +175,13 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
         if size != nbytes:
             raise EngineFormatError(f"engine {p}: weight file {name} has {size} bytes, manifest says "
                                     f"{nbytes} (truncated or modified); checksum mismatch, rebuild it")
-        if verify and sha256_file(fp) != digest:
+        if verify_checksums and sha256_file(fp) != digest:
             raise EngineFormatError(f"engine {p}: checksum mismatch for {name} (sha256 differs from the "
                                     f"manifest: corrupt or modified engine); rebuild it")
+
+
+def _verify_tokenizer_files(p: Path, m: dict[str, Any], verify_checksums: bool) -> None:
+    """Every tokenizer file with a recorded sha256 is inside ``p`` (and matches it)."""
     tok_sums = m.get("tokenizer_sha256") or {}
     if not isinstance(tok_sums, dict):
         raise EngineFormatError(f"engine {p}: malformed tokenizer_sha256 in the manifest; rebuild it")
@@ -230,7 +189,6 @@ def open_engine(path: str | os.PathLike, verify: bool | None = None) -> Engine:
         fp = p / str(name)
         if Path(str(name)).name != name or not fp.is_file():
             raise EngineFormatError(f"engine {p}: tokenizer file {name} is missing; rebuild it")
-        if verify and sha256_file(fp) != digest:
+        if verify_checksums and sha256_file(fp) != digest:
             raise EngineFormatError(f"engine {p}: checksum mismatch for tokenizer file {name} (corrupt or "
                                     f"modified engine); rebuild it")
-    return Engine(p, m)

@@ -11,14 +11,13 @@ The public API::
     normalize_build_spec(ie_spec) -> dict        # canonical, defaults filled, irrelevant knobs dropped
     engine_hash(ie_spec_or_BuildSpec) -> str     # 16 hex chars of sha256 over canonical JSON
     engine_dir(cache_root, hash) -> str          # "<cache_root>/<hash>"
-    is_engine_complete(path) -> bool             # manifest.json of this format + completion marker
 
 Equivalent spellings give the same hash: an omitted default and the default written out, key
 order, ``"0.5"`` / ``0.5`` / ``"500m"`` for decimal quantities, ``int4_awq`` / ``INT4-AWQ`` for
 method names, and settings that a method ignores (``groupSize`` with ``fp8``) are dropped.
 
-Also here: the shared constants of the engine layout on disk, the HTTP port and the metric
-names, so the serving side and the operator never drift apart.
+An engine folder's manifest (reading it, checking that an engine is complete) is
+``kiln.common.manifest``; ports and paths are ``kiln.common.constants``.
 """
 
 from __future__ import annotations
@@ -31,61 +30,23 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Mapping
 
+from .constants import ENGINE_FORMAT_VERSION, HASH_LENGTH
+
 __all__ = [
-    "ENGINE_FORMAT_VERSION",
-    "MANIFEST_FILENAME",
-    "COMPLETE_MARKER",
-    "HTTP_PORT",
-    "DEFAULT_CACHE_ROOT",
-    "METRIC_PREFIX",
-    "METRIC_REQUEST_QUEUE_TIME",
-    "METRIC_NAMES",
     "QUANTIZATION_METHODS",
     "CALIBRATING_METHODS",
     "GROUP_SIZES",
     "KV_CACHE_DTYPES",
     "BUILD_DEFAULTS",
     "EngineSpecError",
-    "ModelSource",
+    "ModelRef",
     "BuildSpec",
     "parse_quantity",
     "canonical_json",
     "normalize_build_spec",
     "engine_hash",
     "engine_dir",
-    "is_engine_complete",
 ]
-
-# --- engine layout on disk ---------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 2  # bump when the on-disk layout changes: every engine hash changes (2: int4 format 2)
-MANIFEST_FILENAME = "manifest.json"  # format version, engine hash, model config, quantization...
-COMPLETE_MARKER = ".kiln-complete"  # written last, inside the temp dir, before the atomic rename
-DEFAULT_CACHE_ROOT = "/engines"  # where the operator mounts the engine cache volume
-HASH_LENGTH = 16  # hex chars of sha256 kept in paths, names and labels (64 bits)
-
-# --- serving ------------------------------------------------------------------------------
-HTTP_PORT = 8000  # `kiln serve` default port; the Service port the operator creates
-HEALTH_PATH = "/health"  # process alive (liveness)
-READY_PATH = "/ready"  # engine loaded and warmed (readiness, startup)
-METRICS_PATH = "/metrics"  # Prometheus text format
-
-METRIC_PREFIX = "kiln_"
-METRIC_REQUEST_QUEUE_TIME = "kiln_request_queue_time_seconds"  # histogram; the autoscaling signal
-METRIC_NAMES = (
-    METRIC_REQUEST_QUEUE_TIME,
-    "kiln_time_to_first_token_seconds",
-    "kiln_time_per_output_token_seconds",
-    "kiln_e2e_request_latency_seconds",
-    "kiln_num_requests_running",
-    "kiln_num_requests_waiting",
-    "kiln_kv_cache_usage_ratio",
-    "kiln_prompt_tokens_total",
-    "kiln_generation_tokens_total",
-    "kiln_num_preemptions_total",
-    "kiln_prefix_cache_queries_total",
-    "kiln_prefix_cache_hits_total",
-    "kiln_request_success_total",
-)
 
 # --- build knobs --------------------------------------------------------------------------
 QUANTIZATION_METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
@@ -189,8 +150,10 @@ def _method(value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class ModelSource:
-    """Where the weights come from; the part of the hash that names the model.
+class ModelRef:
+    """A reference to where the weights come from, as a spec names it; the part of the hash
+    that names the model.  Resolving it to local files is the runtime's job
+    (``kiln.runtime.loader.ResolvedSource``).
 
     Fields:
         kind: ``builtin`` (a model shipped with Kiln), ``path`` (a local folder or ``.gguf``
@@ -213,7 +176,7 @@ class ModelSource:
     checksum: str | None = None
 
     @classmethod
-    def from_string(cls, src: str, checksum: str | None = None) -> "ModelSource":
+    def from_string(cls, src: str, checksum: str | None = None) -> "ModelRef":
         """Parse ``kiln build --model SRC``: ``builtin:NAME``, ``pvc://CLAIM/PATH``,
         ``hf://ORG/NAME[@REVISION]`` or a filesystem path (kept as written, normalized)."""
         src = src.strip()
@@ -230,7 +193,7 @@ class ModelSource:
         return cls(kind="path", path=os.path.normpath(src), checksum=checksum)
 
     @classmethod
-    def from_dict(cls, model: Mapping[str, Any]) -> "ModelSource":
+    def from_dict(cls, model: Mapping[str, Any]) -> "ModelRef":
         """Parse an InferenceEngine ``spec.model``: exactly one of ``builtin``, ``pvc``,
         ``huggingFace``, ``path`` (plus optional ``checksum``).  Raises ``EngineSpecError``."""
         if not isinstance(model, Mapping):
@@ -296,7 +259,7 @@ class BuildSpec:
         format_version: ``ENGINE_FORMAT_VERSION``.
     """
 
-    source: ModelSource
+    source: ModelRef
     quantization: str = BUILD_DEFAULTS["quantization"]
     group_size: int = BUILD_DEFAULTS["groupSize"]
     smoothquant_alpha: str = BUILD_DEFAULTS["smoothquantAlpha"]
@@ -346,7 +309,7 @@ class BuildSpec:
             return BUILD_DEFAULTS[key] if v is None else v
 
         return cls(
-            source=ModelSource.from_dict(spec.get("model") or {}),
+            source=ModelRef.from_dict(spec.get("model") or {}),
             quantization=get("quantization"),
             group_size=get("groupSize"),
             smoothquant_alpha=get("smoothquantAlpha"),
@@ -367,7 +330,7 @@ class BuildSpec:
         """From ``kiln build`` flags (``None`` means the flag was not given: the default)."""
         d = BUILD_DEFAULTS
         return cls(
-            source=ModelSource.from_string(model, checksum=checksum),
+            source=ModelRef.from_string(model, checksum=checksum),
             quantization=d["quantization"] if quantization is None else quantization,
             group_size=d["groupSize"] if group_size is None else group_size,
             smoothquant_alpha=d["smoothquantAlpha"] if smoothquant_alpha is None else smoothquant_alpha,
@@ -473,29 +436,3 @@ def engine_hash(spec: Mapping[str, Any] | BuildSpec, length: int = HASH_LENGTH) 
 def engine_dir(cache_root: str, hash_: str) -> str:
     """Where the engine with this hash lives in an engine cache: ``<cache_root>/<hash>``."""
     return os.path.join(cache_root, hash_)
-
-
-def read_manifest(path: str) -> dict[str, Any] | None:
-    """The parsed ``manifest.json`` of an engine folder, or None when missing or unreadable."""
-    try:
-        with open(os.path.join(path, MANIFEST_FILENAME), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def is_engine_complete(path: str, expected_hash: str | None = None) -> bool:
-    """True when ``path`` holds a finished engine of this format: the completion marker
-    exists, ``manifest.json`` parses, its ``format_version`` is ``ENGINE_FORMAT_VERSION`` and,
-    when ``expected_hash`` is given, its ``engine_hash`` starts with it.  Never raises."""
-    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        return False
-    manifest = read_manifest(path)
-    if manifest is None or manifest.get("format_version") != ENGINE_FORMAT_VERSION:
-        return False
-    if expected_hash is not None:
-        got = str(manifest.get("engine_hash", ""))
-        if not (got.startswith(expected_hash) or expected_hash.startswith(got)) or not got:
-            return False
-    return True

@@ -1,0 +1,82 @@
+"""The served Prometheus metrics as data: one row per metric (name, type, help, buckets,
+labels).
+
+``kiln serve`` builds its ``prometheus_client`` metrics from ``METRICS``
+(``kiln.runtime.server.metrics``); the operator's autoscaler and the chart's
+prometheus-adapter rule read ``METRIC_REQUEST_QUEUE_TIME``.  Counter names carry the
+``_total`` suffix as exposed (``prometheus_client`` strips it and adds it back on samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "METRIC_PREFIX",
+    "METRIC_REQUEST_QUEUE_TIME",
+    "MODEL_NAME_LABEL",
+    "LATENCY_BUCKETS",
+    "TOKEN_BUCKETS",
+    "MetricSpec",
+    "METRICS",
+    "METRIC_NAMES",
+    "metric",
+]
+
+METRIC_PREFIX = "kiln_"
+METRIC_REQUEST_QUEUE_TIME = "kiln_request_queue_time_seconds"  # histogram; the autoscaling signal
+MODEL_NAME_LABEL = "model_name"  # on every metric: the served model's name
+
+# Histogram buckets in seconds: request latencies, and the time between two output tokens.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One served metric.
+
+    Fields:
+        name: the exposed name (prefix ``kiln_``; counters end in ``_total``).
+        type: ``histogram``, ``gauge`` or ``counter``.
+        help: the ``# HELP`` text.
+        labels: label names besides ``model_name`` (which every metric has).
+        buckets: histogram bucket upper bounds in seconds; empty for other types.
+    """
+
+    name: str
+    type: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(METRIC_REQUEST_QUEUE_TIME, "histogram", "Arrival to first scheduling (seconds).",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("kiln_time_to_first_token_seconds", "histogram", "Arrival to first token (seconds).",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("kiln_time_per_output_token_seconds", "histogram", "Time between output tokens (seconds).",
+               buckets=TOKEN_BUCKETS),
+    MetricSpec("kiln_e2e_request_latency_seconds", "histogram", "Arrival to finish (seconds).",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("kiln_num_requests_running", "gauge", "Sequences in the running batch."),
+    MetricSpec("kiln_num_requests_waiting", "gauge", "Sequences waiting to be scheduled."),
+    MetricSpec("kiln_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks in use (0-1)."),
+    MetricSpec("kiln_prompt_tokens_total", "counter", "Prompt tokens computed (prefill)."),
+    MetricSpec("kiln_generation_tokens_total", "counter", "Tokens generated."),
+    MetricSpec("kiln_num_preemptions_total", "counter", "Sequences preempted (recompute)."),
+    MetricSpec("kiln_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
+    MetricSpec("kiln_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache."),
+    MetricSpec("kiln_request_success_total", "counter", "Finished requests by reason.",
+               labels=("finished_reason",)),
+)
+
+METRIC_NAMES = tuple(m.name for m in METRICS)
+
+_BY_NAME = {m.name: m for m in METRICS}
+
+
+def metric(name: str) -> MetricSpec:
+    """The row of the metric called ``name``.  Raises ``KeyError`` for a name not served."""
+    return _BY_NAME[name]
