@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kiln.runtime import build as build_mod
-from kiln.runtime.build import BadInputError, BuildError, add_build_args, build_engine, run_build
+from kiln.runtime.build import BadInputError, BuildError, build_engine
+from kiln.runtime.build_cli import add_build_args, run_build
 from kiln.common.constants import COMPLETE_MARKER, MANIFEST_FILENAME
 from kiln.common.enginespec import BuildSpec, engine_hash
 from kiln.common.manifest import EngineFormatError, manifest_digest
@@ -562,7 +563,7 @@ def test_sigterm_removes_the_unfinished_engine(tmp_path):
 
     out = tmp_path / "eng"
     env = {**os.environ, "KILN_CPU_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.build", "--model", "builtin:smollm2-135m-instruct",
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.build_cli", "--model", "builtin:smollm2-135m-instruct",
                              "--output", str(out), "--quantization", "int4-gptq", "--group-size", "32",
                              "--calibration-samples", "8"], stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120

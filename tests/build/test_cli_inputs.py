@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from kiln.runtime.build import add_build_args, run_build
+from kiln.runtime.build_cli import add_build_args, run_build
 
 
 def cli(*argv: str) -> int:

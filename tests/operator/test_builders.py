@@ -134,7 +134,7 @@ def test_build_job_args_are_kiln_builds_flags_and_give_the_operators_hash():
 
     import pytest
 
-    build = pytest.importorskip("kiln.runtime.build")
+    build = pytest.importorskip("kiln.runtime.build_cli")
     for spec in [SPEC, {"model": {"builtin": "smollm2-135m-instruct", "checksum": "sha256:" + "a" * 64},
                         "build": {"quantization": "int8-smoothquant", "smoothquantAlpha": "750m", "kvCacheDtype": "fp8"}}]:
         h = engine_hash(spec)

@@ -381,7 +381,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         q.add_argument("--peer", choices=["none", "transformers", "transformers-cb"], default="none")
         q.add_argument("--peer-batch-size", type=_positive_int, default=64)
         q.add_argument("--json", default=None, help="write results here")
-    off.set_defaults(func=cmd_offline)
     srv = sub.add_parser("serve", help="latency percentiles against a live server")
     srv.add_argument("--url", default=None, help="a running server (default: start `kiln serve` here)")
     src = srv.add_mutually_exclusive_group()
@@ -398,4 +397,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     srv.add_argument("--range-ratio", type=_ratio, default=0.5)
     srv.add_argument("--vocab-size", type=_positive_int, default=49152)
     srv.add_argument("--seed", type=int, default=0)
-    srv.set_defaults(func=cmd_serve)
+
+
+def run_bench(ns: argparse.Namespace) -> int:
+    """Run ``kiln bench offline ...`` or ``kiln bench serve ...``; returns the exit code."""
+    return cmd_offline(ns) if ns.mode == "offline" else cmd_serve(ns)

@@ -1,16 +1,28 @@
-"""The ``kiln`` command: ``serve``, ``build``, ``eval``, ``bench``, ``operator``.
+"""The ``kiln`` command: ``serve``, ``bench``, ``build``, ``eval``, ``operator``.
 
-Heavy modules are imported inside each subcommand so ``kiln operator`` never imports torch.
+``SUBCOMMANDS`` is a static table: each subcommand's name, help, the function that adds its
+flags and the function that runs it, as ``module:function`` strings.  The parser is built for
+every subcommand from torch-free modules; a subcommand's heavy modules (torch, kopf...) are
+imported only when it runs, so ``kiln operator`` never imports torch.  When a subcommand
+cannot import what it needs, ``kiln`` says so in one line naming the missing module and the
+extra that installs it, and exits with ``EXIT_MISSING_MODULE`` (a build Job's log shows the
+real cause instead of "invalid choice").
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import functools
+import importlib
 import logging
 import os
 import socket
 import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from kiln.common.constants import HTTP_PORT
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -103,74 +115,140 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``kiln serve``'s flags: the engine's (``add_engine_args``) and the HTTP server's."""
+    add_engine_args(p)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=HTTP_PORT)
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the source)")
+    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (env KILN_API_KEY)")
+    p.add_argument("--shutdown-timeout", type=float, default=45.0,
+                   help="seconds that running requests get to finish after SIGTERM (default: %(default)s; the "
+                        "operator's pods have a 60 s grace period)")
+
+
+def add_operator_args(p: argparse.ArgumentParser) -> None:
+    """``kiln operator``: every argument goes to the operator's own parser."""
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the operator")
+
+
+def cmd_operator(ns: argparse.Namespace) -> int:
+    """Run the kopf operator with the arguments after ``operator``."""
+    from kiln.operator.main import run  # noqa: PLC0415
+
+    return int(run(ns.args) or 0)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``kiln`` subcommand.
+
+    Fields:
+        name: the word after ``kiln``.
+        help: its line in ``kiln --help``.
+        args: ``module:function`` that adds its flags to its parser; a torch-free module.
+        run: ``module:function`` that runs it: ``(argparse.Namespace) -> exit code``.
+        extra: the pip extra that installs what ``run`` imports (``kiln[<extra>]``).
+        own_help: it parses its own arguments, ``--help`` included (``kiln operator``).
+    """
+
+    name: str
+    help: str
+    args: str
+    run: str
+    extra: str
+    own_help: bool = False
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API",
+               "kiln.runtime.cli:add_serve_args", "kiln.runtime.cli:cmd_serve", "runtime"),
+    Subcommand("bench", "benchmark throughput and latency",
+               "kiln.runtime.bench:add_bench_args", "kiln.runtime.bench:run_bench", "runtime"),
+    Subcommand("build", "quantize and compile a model into an engine",
+               "kiln.runtime.build_cli:add_build_args", "kiln.runtime.build_cli:run_build", "runtime"),
+    Subcommand("eval", "accuracy of a model or engine (perplexity, greedy agreement)",
+               "kiln.runtime.eval:add_eval_args", "kiln.runtime.eval:run_eval", "runtime"),
+    Subcommand("operator", "run the Kubernetes operator (kopf)",
+               "kiln.runtime.cli:add_operator_args", "kiln.runtime.cli:cmd_operator", "operator", own_help=True),
+)
+
+EXIT_MISSING_MODULE = 1  # a subcommand could not import a module it needs
+EXIT_USER_ERROR = 2  # a bad flag, model, engine or setting: one line on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+
+def _load(ref: str) -> Callable:
+    """The function named by ``module:function`` (imports the module)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _run(cmd: Subcommand, ns: argparse.Namespace) -> int:
+    """Import ``cmd``'s run function and call it."""
+    return int(_load(cmd.run)(ns) or 0)
+
+
+def _raise(error: ImportError, ns: argparse.Namespace) -> int:
+    """Stands in for a subcommand whose flags module did not import: running it re-raises."""
+    raise error
+
+
+def _add_subcommand(sub, cmd: Subcommand) -> None:
+    """Add ``cmd``'s parser to ``sub``.  A flags module that cannot be imported still leaves
+    the subcommand in ``kiln --help``; running it, with any arguments, reports the import error."""
+    try:
+        add_args = _load(cmd.args)
+    except ImportError as e:
+        p = sub.add_parser(cmd.name, help=cmd.help, add_help=False)
+        p.set_defaults(func=functools.partial(_raise, e), flags_unknown=True)
+        return
+    p = sub.add_parser(cmd.name, help=cmd.help, **({"add_help": False} if cmd.own_help else {}))
+    add_args(p)
+    p.set_defaults(func=functools.partial(_run, cmd))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kiln`` parser with every subcommand of ``SUBCOMMANDS``."""
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: LLM inference runtime and Kubernetes operator")
     parser.add_argument("--log-level", default=os.environ.get("KILN_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
+    for cmd in SUBCOMMANDS:
+        _add_subcommand(sub, cmd)
+    return parser
 
-    sp = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_engine_args(sp)
-    sp.add_argument("--host", default="0.0.0.0")
-    sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument("--served-model-name", default=None, help="model name clients use (default: the source)")
-    sp.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (env KILN_API_KEY)")
-    sp.add_argument("--shutdown-timeout", type=float, default=45.0,
-                    help="seconds that running requests get to finish after SIGTERM (default: %(default)s; the "
-                         "operator's pods have a 60 s grace period)")
-    sp.set_defaults(func=cmd_serve)
 
-    bp = sub.add_parser("bench", help="benchmark throughput and latency")
+def _call(name: str, fn: Callable[[], int]) -> int:
+    """Run subcommand ``name``'s ``fn``; a missing module or a user error is one line on stderr."""
     try:
-        from .bench import add_bench_args  # noqa: PLC0415
+        return fn()
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except ImportError as e:
+        extra = next(c.extra for c in SUBCOMMANDS if c.name == name)
+        missing = e.name or str(e)
+        print(f"kiln {name}: error: cannot import module {missing!r} ({e}); `kiln {name}` needs "
+              f"pip install 'kiln[{extra}]'", file=sys.stderr)
+        return EXIT_MISSING_MODULE
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # user mistakes: bad model, flag, path
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
-        add_bench_args(bp)
-    except ImportError:  # pragma: no cover
-        pass
 
-    try:
-        from . import build as _build  # noqa: PLC0415
-
-        bld = sub.add_parser("build", help="quantize and compile a model into an engine")
-        _build.add_build_args(bld)
-        bld.set_defaults(func=_build.run_build)
-    except ImportError:
-        pass
-    try:
-        from . import eval as _eval  # noqa: PLC0415
-
-        _eval.add_eval_args(sub)
-    except ImportError:
-        pass
-
-    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
-    op.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the operator")
-    op.set_defaults(func=lambda ns: _run_operator(ns.args))
-
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kiln`` with ``argv`` (default: the process's arguments); returns the exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
     if "operator" in raw:  # everything after `operator` belongs to the operator's own parser
         i = raw.index("operator")
         if all(a.startswith("--log-level") or raw[j - 1] == "--log-level" for j, a in enumerate(raw[:i])):
-            return _run_operator(raw[i + 1 :])
-    ns = parser.parse_args(argv)
+            ns = argparse.Namespace(args=raw[i + 1:])
+            return _call("operator", lambda: cmd_operator(ns))
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(raw)
+    if unknown and not getattr(ns, "flags_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(ns.func(ns) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # clear one-line errors for user mistakes
-        from .loader import ModelSourceError  # noqa: PLC0415
-        from .model.config import UnsupportedModelError  # noqa: PLC0415
-
-        if isinstance(e, (ModelSourceError, UnsupportedModelError, ValueError, FileNotFoundError, PermissionError)):
-            print(f"kiln: error: {e}", file=sys.stderr)
-            return 2
-        raise
-
-
-def _run_operator(args: list[str]) -> int:
-    from kiln.operator.main import run  # noqa: PLC0415
-
-    return int(run(args) or 0)
+    return _call(ns.command, lambda: ns.func(ns))
 
 
 if __name__ == "__main__":

@@ -192,10 +192,8 @@ def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 
 
 
 # -- CLI -------------------------------------------------------------------------------------
-def add_eval_args(subparsers) -> argparse.ArgumentParser:
-    """Add the ``eval`` subcommand (with ``perplexity`` and ``agreement``) to ``subparsers``."""
-    p = subparsers.add_parser("eval", help="accuracy of a model or engine (perplexity, greedy agreement)")
-    p.set_defaults(func=run_eval)
+def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``kiln eval``'s modes (``perplexity`` and ``agreement``) and their flags to ``p``."""
     sub = p.add_subparsers(dest="eval_command", required=True)
     pp = sub.add_parser("perplexity", help="perplexity and token count on a text file")
     g = pp.add_mutually_exclusive_group(required=True)
@@ -248,9 +246,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kiln.runtime.eval perplexity ...``."""
-    parser = argparse.ArgumentParser(prog="kiln")
-    add_eval_args(parser.add_subparsers(dest="command", required=True))
-    return run_eval(parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])]))
+    parser = add_eval_args(argparse.ArgumentParser(prog="kiln eval"))
+    return run_eval(parser.parse_args(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""``kiln build``'s command line: its flags, their checks, and the exit codes.
+
+Exit codes of ``run_build``: 0 built (or already present), 2 bad input (unknown method, bad
+group size, unsupported architecture, missing/corrupt source, an empty ``--output`` or a mount
+point as ``--output``), 1 the build failed (read-only or full output, ...), 128 + SIGTERM when
+terminated.  The build itself is ``kiln.runtime.build``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from kiln.common.enginespec import (
+    BUILD_DEFAULTS,
+    GROUPED_METHODS,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    BuildSpec,
+    EngineSpecError,
+)
+
+from .build import CHECKSUM_ALGORITHM, BadInputError, BuildError, build_engine
+
+
+def _stderr_progress(msg: str) -> None:
+    """Print one progress line of the build to stderr."""
+    print(f"kiln build: {msg}", file=sys.stderr, flush=True)
+
+
+def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``kiln build``'s flags to ``parser`` (defaults equal ``kiln.common.enginespec.BUILD_DEFAULTS``)."""
+    d = BUILD_DEFAULTS
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                        help="builtin:<name>, a .gguf file or a Hugging Face folder (default: %(default)s)")
+    parser.add_argument("--output", required=True, help="engine folder to create (written atomically)")
+    parser.add_argument("--quantization", default=d["quantization"],
+                        help=f"one of {', '.join(QUANTIZATION_METHODS)} (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=None,  # None: not given (the default, int4 methods only)
+                        help=f"int4 group size: 32, 64 or 128; must divide every layer's input features "
+                             f"(default: {d['groupSize']})")
+    parser.add_argument("--smoothquant-alpha", default=None,  # None: not given (int8-smoothquant only)
+                        help=f"SmoothQuant migration strength in [0, 1] (default: {d['smoothquantAlpha']})")
+    parser.add_argument("--kv-cache-dtype", default=d["kvCacheDtype"], help=f"one of {', '.join(KV_CACHE_DTYPES)}")
+    parser.add_argument("--calibration-samples", type=int, default=d["calibrationSamples"],
+                        help="calibration samples of 128 tokens from the shipped text (default: %(default)s)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="also quantize the LM head (int4-awq and int4-gptq only; part of the hash)")
+    parser.add_argument("--max-seq-len", type=int, default=d["maxSeqLen"])
+    parser.add_argument("--max-batch-size", type=int, default=d["maxBatchSize"])
+    parser.add_argument("--max-num-tokens", type=int, default=d["maxNumTokens"])
+    parser.add_argument("--source-checksum", default=None,
+                        help=f"{CHECKSUM_ALGORITHM}:<hex> the source must have (part of the engine hash)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where calibration and quantization run (not part of the hash)")
+    parser.add_argument("--print-hash", action="store_true", help="print the engine hash and exit")
+    return parser
+
+
+# InferenceEngine field names in the (operator-shared) spec errors -> this CLI's flags
+_CLI_FLAGS = {"build.quantization": "--quantization", "build.groupSize": "--group-size",
+              "build.smoothquantAlpha": "--smoothquant-alpha", "build.kvCacheDtype": "--kv-cache-dtype",
+              "build.calibrationSamples": "--calibration-samples", "build.maxSeqLen": "--max-seq-len",
+              "build.maxBatchSize": "--max-batch-size", "build.maxNumTokens": "--max-num-tokens",
+              "model.checksum": "--source-checksum", "model": "--model"}
+
+
+def _cli_spelling(msg: str) -> str:
+    """A spec error as the CLI user spelled it: ``build.groupSize: ...`` -> ``--group-size: ...``."""
+    for field in sorted(_CLI_FLAGS, key=len, reverse=True):
+        if msg.startswith(field + ":"):
+            return _CLI_FLAGS[field] + msg[len(field):]
+    return msg
+
+
+def _checksum_error(checksum: str) -> str | None:
+    """Why ``--source-checksum`` is malformed (checked before the source is hashed), or None."""
+    algo, sep, digest = checksum.partition(":")
+    if not sep:
+        return f"--source-checksum: expected {CHECKSUM_ALGORITHM}:<hex>, got {checksum!r}"
+    if algo.strip().lower() != CHECKSUM_ALGORITHM:
+        return f"--source-checksum: unsupported checksum algorithm {algo!r}; use {CHECKSUM_ALGORITHM}:<hex>"
+    if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+        return f"--source-checksum: {digest!r} is not a sha256 digest (64 hex digits)"
+    return None
+
+
+def run_build(args: argparse.Namespace) -> int:
+    """Run ``kiln build`` from parsed arguments; prints progress to stderr and the engine
+    path to stdout.  Returns the exit code (0, 1 or 2; see the module doc)."""
+    err = None
+    if not args.output:
+        err = "--output must not be empty"
+    elif args.source_checksum is not None:
+        err = _checksum_error(args.source_checksum)
+    if err:
+        print(f"kiln build: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        spec = BuildSpec.from_cli(
+            args.model, quantization=args.quantization, group_size=args.group_size,
+            smoothquant_alpha=args.smoothquant_alpha, kv_cache_dtype=args.kv_cache_dtype,
+            calibration_samples=args.calibration_samples, max_seq_len=args.max_seq_len,
+            max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+            checksum=args.source_checksum, quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)))
+    except EngineSpecError as e:
+        print(f"kiln build: error: {_cli_spelling(str(e))}", file=sys.stderr)
+        return 2
+    for flag, given, methods in (("--group-size", args.group_size is not None, GROUPED_METHODS),
+                                 ("--quantize-lm-head", getattr(args, "quantize_lm_head", False), GROUPED_METHODS),
+                                 ("--smoothquant-alpha", args.smoothquant_alpha is not None, ("int8-smoothquant",))):
+        if given and spec.quantization not in methods:
+            print(f"kiln build: error: {flag} applies only to {' and '.join(methods)}, "
+                  f"not to --quantization {spec.quantization}", file=sys.stderr)
+            return 2
+    if getattr(args, "print_hash", False):
+        print(spec.hash())
+        return 0
+    def _on_sigterm(signum, frame):  # Kubernetes stops a Job's pod with SIGTERM: clean up as for ^C
+        raise _Terminated()
+
+    prev = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    from .compile_cache import prepare_shared_cache  # noqa: PLC0415
+
+    prepare_shared_cache()  # the serving pods' Triton cache on the claim (operator builds only)
+    try:
+        res = build_engine(spec, args.model, args.output, device=args.device, progress=_stderr_progress)
+    except _Terminated:
+        print("kiln build: terminated; the unfinished engine was removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except BadInputError as e:
+        print(f"kiln build: error: {e}", file=sys.stderr)
+        return 2
+    except BuildError as e:
+        print(f"kiln build: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
+    print(res.path)
+    return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM during a build (a BaseException, so cleanup code that catches Exception runs
+    its ``finally`` blocks and lets it through, as for KeyboardInterrupt)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kiln.runtime.build_cli ...`` (the same as ``kiln build ...``)."""
+    p = add_build_args(argparse.ArgumentParser(prog="kiln build", description=__doc__.splitlines()[0]))
+    return run_build(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""kiln.common: torch-free, the one manifest reader and verifier, the metric table, and the
+images that ship it."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.common import constants, manifest
+from kiln.common.enginespec import BuildSpec
+from kiln.common.metrics import LATENCY_BUCKETS, METRIC_NAMES, METRICS, metric
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_common_and_operator_import_without_torch_or_the_runtime():
+    code = ("import sys, kiln.common.constants, kiln.common.enginespec, kiln.common.manifest, kiln.common.metrics;"
+            "common=[m for m in sys.modules if m.split('.')[0] in ('torch','transformers','triton','yaml','kopf')"
+            " or m.startswith(('kiln.runtime', 'kiln.operator', 'kiln.kernels'))];"
+            "import kiln.operator.main, kiln.operator.reconcile;"
+            "operator=[m for m in sys.modules if m.split('.')[0] in ('torch','transformers','triton')"
+            " or m.startswith(('kiln.runtime', 'kiln.kernels'))];"
+            "print(common, operator); sys.exit(1 if common or operator else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def make_engine(path: Path) -> dict:
+    """A finished engine folder without torch: one fake weight file and one tokenizer file,
+    with the manifest ``kiln build`` would write for them."""
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "tokenizer.json").write_text("{}")
+    spec = BuildSpec.from_dict({"model": {"builtin": "smollm2-135m-instruct"}})
+    m = {"format_version": constants.ENGINE_FORMAT_VERSION, "engine_hash": spec.hash(), "build_spec": spec.to_dict(),
+         "model": {"config": {}}, "quantization": {"method": "none"},
+         "weights": {"files": [{"name": "model.safetensors", "bytes": 7,
+                                "sha256": manifest.sha256_file(path / "model.safetensors")}]},
+         "tokenizer_sha256": {"tokenizer.json": manifest.sha256_file(path / "tokenizer.json")}}
+    m["manifest_sha256"] = manifest.manifest_digest(m)
+    (path / constants.MANIFEST_FILENAME).write_text(json.dumps(m))
+    (path / constants.COMPLETE_MARKER).write_text(spec.hash())
+    return m
+
+
+def test_verify_engine_accepts_a_whole_engine_and_names_what_is_wrong(tmp_path):
+    m = make_engine(tmp_path / "e")
+    assert manifest.verify_engine(tmp_path / "e") == m
+    assert manifest.is_engine_complete(str(tmp_path / "e"), m["engine_hash"])
+    assert manifest.spec_hash(m["build_spec"]) == m["engine_hash"]
+    (tmp_path / "e" / "tokenizer.json").write_text("[]")
+    with pytest.raises(manifest.EngineFormatError, match="checksum mismatch for tokenizer file"):
+        manifest.verify_engine(tmp_path / "e")
+    manifest.verify_engine(tmp_path / "e", verify_checksums=False)  # sizes only
+    (tmp_path / "e" / "model.safetensors").write_bytes(b"weight")
+    with pytest.raises(manifest.EngineFormatError, match="truncated"):
+        manifest.verify_engine(tmp_path / "e", verify_checksums=False)
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "is not a Kiln engine"),
+    ("{truncated", "cannot read manifest.json"),
+    ("[1, 2]", "is not a JSON object"),
+])
+def test_read_manifest_errors(tmp_path, content, match):
+    if content is not None:
+        (tmp_path / constants.MANIFEST_FILENAME).write_text(content)
+    with pytest.raises(manifest.EngineFormatError, match=match):
+        manifest.read_manifest(tmp_path)
+    assert not manifest.is_engine_complete(str(tmp_path))
+
+
+def test_metric_table_is_designs_list():
+    assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 13
+    assert all(n.startswith("kiln_") for n in METRIC_NAMES)
+    assert all(m.name.endswith("_total") == (m.type == "counter") for m in METRICS)
+    assert all(bool(m.buckets) == (m.type == "histogram") for m in METRICS)
+    assert metric("kiln_request_queue_time_seconds").buckets == LATENCY_BUCKETS
+
+
+def test_server_exposes_exactly_the_table():
+    pytest.importorskip("prometheus_client")
+    from kiln.runtime.server.metrics import Metrics
+
+    text = Metrics("m").render().decode()
+    helps = dict(re.findall(r"^# HELP (\S+) (.*)$", text, flags=re.M))
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M))
+    for m in METRICS:
+        assert types[m.name] == m.type and helps[m.name] == m.help, m.name
+    assert {n for n in types if not n.endswith("_created")} == set(METRIC_NAMES)
+
+
+def test_images_copy_every_source_folder_and_setup_py():
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    roots = next(ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_ROOTS")
+    assert "common" in roots
+    for image in ("operator", "runtime"):
+        copies = re.findall(r"^COPY (.+)$", (ROOT / "images" / image / "Dockerfile").read_text(), flags=re.M)
+        sources = {word.rstrip("/") for line in copies for word in line.split()[:-1]}
+        assert {"setup.py", "pyproject.toml", *roots} <= sources, image
