@@ -1,14 +1,13 @@
 """The engine loop: ``step()`` = scheduler.schedule() -> model runner -> scheduler update ->
 stop checks -> detokenization (nano-vllm's ``LLMEngine.step``).  Only the scheduler touches
 the KV cache manager.  A request with ``n > 1`` fans out into ``n`` child sequences that
-share the prompt's KV blocks through the prefix cache."""
+share the prompt's KV blocks through the prefix cache (``parallel_sampling``)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +21,8 @@ from .core.scheduler import Scheduler
 from .detokenizer import IncrementalDetokenizer
 from .model.config import ModelConfig
 from .model_runner import ModelRunner, PendingStep, StepResult
-from .outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from .outputs import Logprob, RequestOutput, TokenLogprobs
+from .parallel_sampling import ChildSequence, ParentRequest, mix_seed
 from .sampler import SamplingRow
 from .sampling_params import SamplingParams
 
@@ -43,49 +43,6 @@ class StatLogger(Protocol):
     def on_finish(self, e2e_seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
                   finish_reason: str) -> None: ...
     def on_step(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
-
-
-@dataclass
-class _Child:
-    """One of the ``n`` completions of a request."""
-
-    index: int
-    request: Request
-    detok: IncrementalDetokenizer
-    generator: torch.Generator | None
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    last_token_time: float = 0.0
-    first_token_time: float | None = None
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    scheduled_logged: bool = False
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    children: list[_Child]
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
-
-
-def _mix_seed(seed: int, index: int) -> int:
-    """The generator seed of completion ``index`` of a request seeded with ``seed`` (int64):
-    SplitMix64's finalizer (Steele, Lea and Flood 2014) over ``seed + index * golden ratio``,
-    so seeds that differ only in their high 32 bits (which torch's CPU generator drops) or by
-    one completion index still give unrelated streams.  Returns an int in [0, 2**64)."""
-    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) % (1 << 64)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
-    return z ^ (z >> 31)
 
 
 def _check_max_model_len(args: EngineArgs, cfg: ModelConfig) -> None:
@@ -177,8 +134,8 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self.served_model_name = args.served_model_name or self.model_ref
-        self._parents: dict[str, _Parent] = {}
-        self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_of: dict[str, tuple[ParentRequest, ChildSequence]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         # True: step() returns an output for every request that progressed (streaming);
@@ -305,19 +262,19 @@ class LLMEngine:
             gen = None
             if params.seed is not None and not params.greedy:
                 gen = torch.Generator(device=self.runner.device)
-                gen.manual_seed(_mix_seed(params.seed, i))
+                gen.manual_seed(mix_seed(params.seed, i))
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), max_tokens=max_tokens,
                           arrival_time=arrival)
             if self.tokenizer is None and (params.detokenize or params.stop):
                 params.detokenize = False
                 if params.stop:
                     raise InvalidRequestError("stop strings need a tokenizer; this model has none")
-            children.append(_Child(
+            children.append(ChildSequence(
                 index=i, request=req,
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop),
                 generator=gen, logprobs=[] if params.logprobs is not None else None,
             ))
-        parent = _Parent(request_id, text, list(ids), params, arrival, children)
+        parent = ParentRequest(request_id, text, list(ids), params, arrival, children)
         try:
             for c in children:  # validate every child before queueing any of them
                 self.scheduler.check_request(c.request)
@@ -416,7 +373,7 @@ class LLMEngine:
         self.scheduler.update_from_output(out, res.sampled)
         self.num_steps += 1
         now = time.monotonic()
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, ParentRequest] = {}
         num_gen = 0
         num_prompt = 0
         for sr in out.scheduled:
@@ -437,13 +394,13 @@ class LLMEngine:
             self.stat_logger.on_step(num_prompt, num_gen)
         # Streaming consumers (the server) want every step's deltas; the offline API only
         # the finished requests, which saves building per-step outputs for every sequence.
-        outputs = [self._make_output(p) for p in touched.values() if self.stream_outputs or p.finished]
+        outputs = [p.make_output() for p in touched.values() if self.stream_outputs or p.finished]
         for p in touched.values():
             if p.finished:
                 self._retire(p, now)
         return outputs
 
-    def _on_token(self, parent: _Parent, child: _Child, tok: int, lp, now: float) -> None:
+    def _on_token(self, parent: ParentRequest, child: ChildSequence, tok: int, lp, now: float) -> None:
         params = parent.params
         req = child.request
         if child.first_token_time is None:
@@ -485,32 +442,7 @@ class LLMEngine:
             child.finish_reason = status.finish_reason
             self.scheduler.finish_request(req.request_id, status)
 
-    def _make_output(self, p: _Parent) -> RequestOutput:
-        comps = []
-        for c in p.children:
-            delta_ids, c.pending_tokens = c.pending_tokens, []
-            delta_lps, c.pending_logprobs = c.pending_logprobs, []
-            # Running requests share the live token list (read-only view); a finished one gets a copy.
-            toks = c.request.output_token_ids
-            if c.finish_reason or c.request.num_output_placeholders:
-                toks = toks[: c.request.num_real_output_tokens]
-            comps.append(CompletionOutput(
-                index=c.index, text=c.detok.text, token_ids=toks,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason, logprobs=c.logprobs,
-                delta_text=c.detok.take_delta(c.finish_reason is not None),
-                delta_token_ids=delta_ids, delta_logprobs=delta_lps,
-            ))
-        cached = max((c.request.num_cached_tokens for c in p.children), default=0)
-        c0 = p.children[0]
-        metrics = {"arrival_time": p.arrival_time, "last_token_time": c0.last_token_time}
-        if c0.first_token_time is not None:
-            metrics["first_token_time"] = c0.first_token_time
-        if c0.request.first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = c0.request.first_scheduled_time
-        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, comps, finished=p.finished,
-                             num_cached_tokens=cached, metrics=metrics)
-
-    def _retire(self, p: _Parent, now: float) -> None:
+    def _retire(self, p: ParentRequest, now: float) -> None:
         if self._parents.pop(p.request_id, None) is not None and p.params.has_penalties:
             self._num_history_requests -= 1
         for c in p.children:
