@@ -4,7 +4,7 @@ Triton compiles each kernel specialization on first use and keeps the binary in
 ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``).  A serving pod's home is an emptyDir, so
 every new pod (a rollout, an autoscaler scale-up, a restart) would compile the whole kernel
 set again during its warm-up (``ModelRunner.warmup_kernels``: 44 s of start-up for an int4
-Llama-3.1-8B engine with a cold cache on an H200, docs/benchmarks.md, session 9).  The
+Llama-3.1-8B engine with a cold cache on an H200, docs/benchmarks.md).  The
 operator therefore points ``TRITON_CACHE_DIR`` at a folder on the engine cache claim
 (``.compile-cache`` next to the engines, mounted read-write into the serving pods), as vLLM's
 deployment guides do for its torch.compile cache.  Triton's cache is keyed by the kernel
