@@ -2,6 +2,7 @@
 
 from kiln.operator.autoscaler import (BuiltinAutoscaler, HistogramTotals, mean_over_interval, parse_histogram,
                                       recommend, stabilize)
+from kiln.operator.spec import AutoscalingSpec
 
 TEXT = """# HELP kiln_request_queue_time_seconds Queue time
 # TYPE kiln_request_queue_time_seconds histogram
@@ -56,8 +57,8 @@ def test_builtin_autoscaler_scales_up_then_down():
 
     t = [0.0]
     a = BuiltinAutoscaler(fetcher=fetch, clock=lambda: t[0])
-    scaling = {"minReplicas": 1, "maxReplicas": 4, "targetQueueTimeSeconds": 0.5,
-               "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 10}
+    scaling = AutoscalingSpec(min_replicas=1, max_replicas=4, target_queue_time_seconds=0.5,
+                              scale_up_stabilization_seconds=0, scale_down_stabilization_seconds=10)
     pod = {"metadata": {"name": "p"}}
     assert not a.observe("ns/x", [pod], 1, scaling, "now")  # first scrape: no interval yet
     t[0] = 1
@@ -81,8 +82,9 @@ def test_unreachable_pods_are_skipped():
 
     a = BuiltinAutoscaler(fetcher=fetch)
     assert not a.observe("k", [{"metadata": {"name": "p"}}], 1,
-                         {"minReplicas": 1, "maxReplicas": 2, "targetQueueTimeSeconds": 1,
-                          "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0}, "now")
+                         AutoscalingSpec(min_replicas=1, max_replicas=2, target_queue_time_seconds=1,
+                                         scale_up_stabilization_seconds=0, scale_down_stabilization_seconds=0),
+                         "now")
 
 
 def test_out_of_cluster_fetcher_scrapes_only_loopback_pods():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .constants import HTTP_PORT, METRIC_REQUEST_QUEUE_TIME, METRICS_PATH
+from .spec import AutoscalingSpec
 
 TOLERANCE = 0.1  # like the HPA: no change while |metric/target - 1| <= 10%
 
@@ -168,7 +169,7 @@ class BuiltinAutoscaler:
         return e.desired, st
 
     def observe(self, key: str, pods: list[Mapping[str, Any]], current: int,
-                scaling: Mapping[str, Any], now_iso: str) -> bool:
+                scaling: AutoscalingSpec, now_iso: str) -> bool:
         """Scrape ``pods`` (the ready serving pods), update the recommendation of ``key``.
         Returns True when the desired replicas changed (the engine should be reconciled)."""
         e = self.engines.setdefault(key, EngineScaling())
@@ -194,14 +195,13 @@ class BuiltinAutoscaler:
         metric = sum(means) / len(means)
         e.observed = metric
         t = self.clock()
-        rec = recommend(current, metric, float(scaling["targetQueueTimeSeconds"]),
-                        int(scaling["minReplicas"]), int(scaling["maxReplicas"]))
+        rec = recommend(current, metric, scaling.target_queue_time_seconds,
+                        scaling.min_replicas, scaling.max_replicas)
         e.history.append((t, rec))
-        horizon = max(scaling["scaleUpStabilizationSeconds"], scaling["scaleDownStabilizationSeconds"])
-        while e.history and t - e.history[0][0] > horizon + 1:
+        up, down = scaling.scale_up_stabilization_seconds, scaling.scale_down_stabilization_seconds
+        while e.history and t - e.history[0][0] > max(up, down) + 1:
             e.history.popleft()
-        desired = stabilize(e.history, current, t, scaling["scaleUpStabilizationSeconds"],
-                            scaling["scaleDownStabilizationSeconds"])
+        desired = stabilize(e.history, current, t, up, down)
         changed = desired != current and desired != e.desired
         if desired != current:
             e.last_scale_time = now_iso if changed else e.last_scale_time

@@ -2,8 +2,9 @@
 
 No I/O and no clock: every function returns the full desired state of one child as a plain
 dict for server-side apply, so the same inputs always give the same manifest (applying twice
-changes nothing) and each builder is unit-tested without a cluster.  ``owner`` is the
-InferenceEngine's metadata slice ``{"name", "namespace", "uid"}``.
+changes nothing) and each builder is unit-tested without a cluster.  ``spec`` is the parsed
+``InferenceEngineSpec`` (a plain ``spec`` dict, as in a manifest, is parsed first);
+``owner`` is the InferenceEngine's metadata slice ``{"name", "namespace", "uid"}``.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import hashlib
 import math
 from decimal import Decimal
-from typing import Any, Mapping
+from typing import Any, Mapping, Union
 
-from kiln.common.enginespec import BuildSpec, engine_dir
+from kiln.common.enginespec import canonical_json, engine_dir
 
 from . import constants as c
+from .spec import ComputeResources, InferenceEngineSpec, as_spec
 
 Obj = dict[str, Any]
+Spec = Union[InferenceEngineSpec, Mapping[str, Any]]  # parsed, or a plain spec dict (parsed here)
 
 MAX_NAME = 63  # DNS label: Job, Service and label values
 
@@ -102,47 +105,15 @@ def to_quantity(seconds: float) -> str:
     return f"{milli // 1000}" if milli % 1000 == 0 else f"{milli}m"
 
 
-# --- spec helpers ----------------------------------------------------------------------------
+# --- pod parts ---------------------------------------------------------------------------------
 
-def storage(spec: Mapping[str, Any]) -> Obj:
-    """``spec.storage`` with defaults filled (the API server fills them too)."""
-    s = dict(spec.get("storage") or {})
-    s.setdefault("claimName", "kiln-engine-cache")
-    s.setdefault("create", True)
-    s.setdefault("size", "50Gi")
-    s.setdefault("accessModes", ["ReadWriteOnce"])
-    return s
-
-
-def compile_cache(spec: Mapping[str, Any]) -> bool:
-    """``spec.runtime.compileCache`` (default true): the serving pods keep Triton's kernel
-    cache on the engine cache claim (``kiln.runtime.compile_cache``).  Off for a claim that can
-    only be mounted read-only (``accessModes: [ReadOnlyMany]``)."""
-    modes = set(storage(spec).get("accessModes") or [])
-    if modes and modes <= {"ReadOnlyMany"}:
-        return False
-    return bool((spec.get("runtime") or {}).get("compileCache", True))
-
-
-def autoscaling(spec: Mapping[str, Any]) -> Obj:
-    """``spec.autoscaling`` with defaults filled."""
-    a = dict(spec.get("autoscaling") or {})
-    a.setdefault("mode", "off")
-    a.setdefault("minReplicas", 1)
-    a.setdefault("maxReplicas", max(4, a["minReplicas"]))
-    a.setdefault("targetQueueTimeSeconds", 0.5)
-    a.setdefault("scaleUpStabilizationSeconds", 0)
-    a.setdefault("scaleDownStabilizationSeconds", 300)
-    return a
-
-
-def _pod_placement(spec: Mapping[str, Any]) -> Obj:
-    res = spec.get("resources") or {}
+def _pod_placement(spec: InferenceEngineSpec) -> Obj:
+    res = spec.resources
     out: Obj = {}
-    if res.get("nodeSelector"):
-        out["nodeSelector"] = dict(res["nodeSelector"])
-    if res.get("tolerations"):
-        out["tolerations"] = [dict(t) for t in res["tolerations"]]
+    if res.node_selector:
+        out["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        out["tolerations"] = [dict(t) for t in res.tolerations]
     return out
 
 
@@ -156,10 +127,9 @@ def _container_security() -> Obj:
             "capabilities": {"drop": ["ALL"]}}
 
 
-def _resources(base: Mapping[str, Any] | None, gpus: int, gpu_name: str) -> Obj:
-    base = base or {}
-    requests = {k: str(v) for k, v in (base.get("requests") or {}).items()}
-    limits = {k: str(v) for k, v in (base.get("limits") or {}).items()}
+def _resources(base: ComputeResources, gpus: int, gpu_name: str) -> Obj:
+    requests = dict(base.requests)
+    limits = dict(base.limits)
     if gpus > 0:
         requests[gpu_name] = str(gpus)
         limits[gpu_name] = str(gpus)
@@ -171,59 +141,56 @@ def _resources(base: Mapping[str, Any] | None, gpus: int, gpu_name: str) -> Obj:
     return out
 
 
-def _image(spec: Mapping[str, Any], default_image: str) -> str:
-    return spec.get("image") or default_image
+def _image(spec: InferenceEngineSpec, default_image: str) -> str:
+    return spec.image or default_image
 
 
 # --- children --------------------------------------------------------------------------------
 
-def cache_claim(spec: Mapping[str, Any], owner: Mapping[str, Any]) -> Obj:
+def cache_claim(spec: Spec, owner: Mapping[str, Any]) -> Obj:
     """The engine cache PersistentVolumeClaim.  Deliberately not owned by the
     InferenceEngine: engines outlive the resource and are shared across a namespace."""
-    s = storage(spec)
-    pvc_spec: Obj = {"accessModes": list(s["accessModes"]),
-                     "resources": {"requests": {"storage": str(s["size"])}}}
-    if s.get("storageClassName"):
-        pvc_spec["storageClassName"] = s["storageClassName"]
-    meta = _meta(owner, s["claimName"], c.COMPONENT_CACHE, owned=False)
+    s = as_spec(spec).storage
+    pvc_spec: Obj = {"accessModes": list(s.access_modes),
+                     "resources": {"requests": {"storage": s.size}}}
+    if s.storage_class_name:
+        pvc_spec["storageClassName"] = s.storage_class_name
+    meta = _meta(owner, s.claim_name, c.COMPONENT_CACHE, owned=False)
     meta["labels"].pop(c.LABEL_ENGINE)
     meta["labels"].pop(c.LABEL_INSTANCE)
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": pvc_spec}
 
 
-def engine_record(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], job: str,
+def engine_record(spec: Spec, hash_: str, owner: Mapping[str, Any], job: str,
                   completed_at: str) -> Obj:
     """The engine record: a ConfigMap saying that engine ``hash_`` is complete on the cache
     claim (written when its build Job succeeds).  Not owned: it lives as long as the claim's
     content.  Delete it to force a rebuild."""
-    bs = BuildSpec.from_dict(spec)
-    claim = storage(spec)["claimName"]
-    from kiln.common.enginespec import canonical_json
+    spec = as_spec(spec)
+    claim = spec.storage.claim_name
     meta = _meta(owner, record_name(claim, hash_), c.COMPONENT_RECORD, hash_, owned=False)
     meta["labels"].pop(c.LABEL_ENGINE)
     meta["labels"].pop(c.LABEL_INSTANCE)
     meta["labels"][c.LABEL_CACHE_CLAIM] = claim[:63]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {"engineHash": hash_, "claimName": claim, "path": engine_dir(c.DEFAULT_CACHE_ROOT, hash_),
-                     "buildSpec": canonical_json(bs.to_dict()), "builtBy": f"{owner['namespace']}/{job}",
+                     "buildSpec": canonical_json(spec.engine.to_dict()), "builtBy": f"{owner['namespace']}/{job}",
                      "completedAt": completed_at}}
 
 
-def build_job(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any],
+def build_job(spec: Spec, hash_: str, owner: Mapping[str, Any],
               default_image: str = c.DEFAULT_RUNTIME_IMAGE) -> Obj:
     """The build Job: ``kiln build`` writing ``/engines/<hash>`` on the cache claim.  GPUs only
     when the build calibrates; ``backoffLimit`` and ``activeDeadlineSeconds`` from
-    ``spec.build``.  Raises ``EngineSpecError`` for an invalid build spec."""
-    bs = BuildSpec.from_dict(spec)
-    build = spec.get("build") or {}
-    res = spec.get("resources") or {}
-    model = spec.get("model") or {}
-    gpus = int(res.get("gpus", 1)) if bs.calibrates else 0
+    ``spec.build``."""
+    spec = as_spec(spec)
+    bs, model = spec.engine, spec.model
+    gpus = spec.resources.gpus if bs.calibrates else 0
     args = bs.to_build_args(engine_dir(c.DEFAULT_CACHE_ROOT, hash_), models_mount=c.MODELS_MOUNT)
     mounts = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT},
               {"name": "tmp", "mountPath": c.TMP_MOUNT}]
     volumes: list[Obj] = [
-        {"name": "engines", "persistentVolumeClaim": {"claimName": storage(spec)["claimName"]}},
+        {"name": "engines", "persistentVolumeClaim": {"claimName": spec.storage.claim_name}},
         {"name": "tmp", "emptyDir": {}},
     ]
     env: list[Obj] = [{"name": "HOME", "value": c.TMP_MOUNT},
@@ -232,21 +199,20 @@ def build_job(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any],
                       # pods' user: a folder the kubelet makes for a subPath would be root's)
                       {"name": "KILN_COMPILE_CACHE_DIR",
                        "value": f"{c.DEFAULT_CACHE_ROOT}/{c.COMPILE_CACHE_SUBPATH}"}]
-    if model.get("pvc"):
+    if model.pvc_claim:
         mounts.append({"name": "model", "mountPath": c.MODELS_MOUNT, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": model["pvc"]["claimName"], "readOnly": True}})
-    hf = model.get("huggingFace") or {}
-    if hf.get("secretRef"):
+            "claimName": model.pvc_claim, "readOnly": True}})
+    if model.hf_token:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": hf["secretRef"]["name"], "key": hf["secretRef"].get("key", "token")}}})
+            "name": model.hf_token.name, "key": model.hf_token.key}}})
     container: Obj = {
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
-        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "imagePullPolicy": spec.image_pull_policy,
         "command": ["kiln", "build"], "args": args, "env": env, "volumeMounts": mounts,
         "securityContext": _container_security(),
     }
-    resources = _resources(build.get("resources"), gpus, res.get("gpuResourceName", "nvidia.com/gpu"))
+    resources = _resources(spec.build.resources, gpus, spec.resources.gpu_resource_name)
     if resources:
         container["resources"] = resources
     pod_labels = labels(owner, c.COMPONENT_BUILD, hash_)
@@ -254,8 +220,8 @@ def build_job(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any],
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": _meta(owner, job_name(owner, hash_), c.COMPONENT_BUILD, hash_),
         "spec": {
-            "backoffLimit": int(build.get("backoffLimit", 1)),
-            "activeDeadlineSeconds": int(build.get("activeDeadlineSeconds", 7200)),
+            "backoffLimit": spec.build.backoff_limit,
+            "activeDeadlineSeconds": spec.build.active_deadline_seconds,
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {"restartPolicy": "Never", "securityContext": _pod_security(),
@@ -266,29 +232,65 @@ def build_job(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any],
     }
 
 
-def serve_args(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any]) -> list[str]:
+def serve_args(spec: Spec, hash_: str, owner: Mapping[str, Any]) -> list[str]:
     """The ``kiln serve`` arguments for engine ``hash_``."""
-    rt = spec.get("runtime") or {}
-    model = spec.get("model") or {}
+    spec = as_spec(spec)
+    rt = spec.runtime
     args = ["--engine", engine_dir(c.DEFAULT_CACHE_ROOT, hash_), "--host", "0.0.0.0",
             "--port", str(c.HTTP_PORT),
-            "--served-model-name", model.get("servedModelName") or owner["name"]]
-    flags = (("maxNumSeqs", "--max-num-seqs"), ("maxNumBatchedTokens", "--max-num-batched-tokens"),
-             ("maxModelLen", "--max-model-len"), ("blockSize", "--block-size"),
-             ("kvCacheMemoryFraction", "--kv-cache-memory-fraction"),
-             ("schedulerPolicy", "--scheduler-policy"))
-    for key, flag in flags:
-        if rt.get(key) is not None:
-            args += [flag, str(rt[key])]
-    gpus = int((spec.get("resources") or {}).get("gpus", 1))
-    args += ["--device", "cuda" if gpus > 0 else "cpu"]
-    if int(rt.get("tensorParallelSize", 1)) > 1:
-        args += ["--tensor-parallel-size", str(rt["tensorParallelSize"])]
-    args += [str(a) for a in rt.get("extraArgs") or []]
+            "--served-model-name", spec.model.served_model_name or owner["name"]]
+    flags = ((rt.max_num_seqs, "--max-num-seqs"), (rt.max_num_batched_tokens, "--max-num-batched-tokens"),
+             (rt.max_model_len, "--max-model-len"), (rt.block_size, "--block-size"),
+             (rt.kv_cache_memory_fraction, "--kv-cache-memory-fraction"),
+             (rt.scheduler_policy, "--scheduler-policy"))
+    for value, flag in flags:
+        if value is not None:
+            args += [flag, str(value)]
+    args += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu"]
+    if rt.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(rt.tensor_parallel_size)]
+    args += list(rt.extra_args)
     return args
 
 
-def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
+def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, Any],
+                     default_image: str) -> Obj:
+    """The serving container: ``kiln serve``, its probes, mounts, environment and GPUs."""
+    rt, res = spec.runtime, spec.resources
+    period = 10
+    env = [{"name": "HOME", "value": c.TMP_MOUNT}, {"name": "KILN_ENGINE_HASH", "value": hash_}]
+    user_env = [{"name": e.name, "value": e.value} for e in rt.env]
+    mounts: list[Obj] = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT, "readOnly": True},
+                         {"name": "tmp", "mountPath": c.TMP_MOUNT},
+                         {"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.keeps_compile_cache:
+        # Triton's kernel cache on the claim: later pods (rollouts, scale-ups) skip the compiles
+        mounts.append({"name": "engines", "mountPath": c.COMPILE_CACHE_MOUNT, "subPath": c.COMPILE_CACHE_SUBPATH})
+        if not any(e["name"] == "TRITON_CACHE_DIR" for e in user_env):
+            env.append({"name": "TRITON_CACHE_DIR", "value": f"{c.COMPILE_CACHE_MOUNT}/triton"})
+    env += user_env
+    container: Obj = {
+        "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kiln", "serve"], "args": serve_args(spec, hash_, owner), "env": env,
+        "ports": [{"name": "http", "containerPort": c.HTTP_PORT, "protocol": "TCP"}],
+        "startupProbe": {"httpGet": {"path": c.READY_PATH, "port": "http"}, "periodSeconds": period,
+                         "failureThreshold": max(1, math.ceil(spec.rollout.startup_timeout_seconds / period)),
+                         "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": c.READY_PATH, "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": c.HEALTH_PATH, "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6, "timeoutSeconds": 5},
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    resources = _resources(res.compute, res.gpus * rt.tensor_parallel_size, res.gpu_resource_name)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def deployment(spec: Spec, hash_: str, owner: Mapping[str, Any], *,
                replicas: int | None, default_image: str = c.DEFAULT_RUNTIME_IMAGE) -> Obj:
     """The serving Deployment running ``kiln serve --engine /engines/<hash>``.
 
@@ -299,59 +301,23 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
     read-only at ``/engines``; with ``runtime.compileCache`` (default) its ``.compile-cache``
     folder is also mounted read-write as ``TRITON_CACHE_DIR``'s parent.
     """
-    rt = spec.get("runtime") or {}
-    res = spec.get("resources") or {}
-    rollout = spec.get("rollout") or {}
-    gpus = int(res.get("gpus", 1))
-    tp = int(rt.get("tensorParallelSize", 1))
-    startup_budget = int(rollout.get("startupTimeoutSeconds", 1800))
-    period = 10
-    env = [{"name": "HOME", "value": c.TMP_MOUNT}, {"name": "KILN_ENGINE_HASH", "value": hash_}]
-    user_env = [{"name": e["name"], "value": str(e.get("value", ""))} for e in rt.get("env") or []]
-    mounts: list[Obj] = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT, "readOnly": True},
-                         {"name": "tmp", "mountPath": c.TMP_MOUNT},
-                         {"name": "dshm", "mountPath": "/dev/shm"}]
-    cache = compile_cache(spec)
-    if cache:
-        # Triton's kernel cache on the claim: later pods (rollouts, scale-ups) skip the compiles
-        mounts.append({"name": "engines", "mountPath": c.COMPILE_CACHE_MOUNT, "subPath": c.COMPILE_CACHE_SUBPATH})
-        if not any(e["name"] == "TRITON_CACHE_DIR" for e in user_env):
-            env.append({"name": "TRITON_CACHE_DIR", "value": f"{c.COMPILE_CACHE_MOUNT}/triton"})
-    env += user_env
-    container: Obj = {
-        "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
-        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["kiln", "serve"], "args": serve_args(spec, hash_, owner), "env": env,
-        "ports": [{"name": "http", "containerPort": c.HTTP_PORT, "protocol": "TCP"}],
-        "startupProbe": {"httpGet": {"path": c.READY_PATH, "port": "http"}, "periodSeconds": period,
-                         "failureThreshold": max(1, math.ceil(startup_budget / period)),
-                         "timeoutSeconds": 5},
-        "readinessProbe": {"httpGet": {"path": c.READY_PATH, "port": "http"}, "periodSeconds": 5,
-                           "failureThreshold": 3, "timeoutSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": c.HEALTH_PATH, "port": "http"}, "periodSeconds": 10,
-                          "failureThreshold": 6, "timeoutSeconds": 5},
-        "volumeMounts": mounts,
-        "securityContext": _container_security(),
-    }
-    resources = _resources(res, gpus * tp, res.get("gpuResourceName", "nvidia.com/gpu"))
-    if resources:
-        container["resources"] = resources
+    spec = as_spec(spec)
     pod_labels = {**labels(owner, c.COMPONENT_SERVER, hash_), **selector_labels(owner)}
     dep_spec: Obj = {
         "selector": {"matchLabels": selector_labels(owner)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {
-            "maxSurge": int(rollout.get("maxSurge", 1)),
-            "maxUnavailable": int(rollout.get("maxUnavailable", 0))}},
+            "maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}},
         "revisionHistoryLimit": 3,
         "template": {
             "metadata": {"labels": pod_labels},
-            "spec": {"securityContext": _pod_security(), "containers": [container],
+            "spec": {"securityContext": _pod_security(),
+                     "containers": [_serve_container(spec, hash_, owner, default_image)],
                      "terminationGracePeriodSeconds": 60, "enableServiceLinks": False,
                      "volumes": [
                          {"name": "engines", "persistentVolumeClaim": {
-                             "claimName": storage(spec)["claimName"],
+                             "claimName": spec.storage.claim_name,
                              # read-only unless the compile cache needs its one writable subPath
-                             "readOnly": not cache}},
+                             "readOnly": not spec.keeps_compile_cache}},
                          {"name": "tmp", "emptyDir": {}},
                          {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
                      **_pod_placement(spec)},
@@ -364,7 +330,7 @@ def deployment(spec: Mapping[str, Any], hash_: str, owner: Mapping[str, Any], *,
             "spec": dep_spec}
 
 
-def service(spec: Mapping[str, Any], owner: Mapping[str, Any]) -> Obj:
+def service(spec: Spec, owner: Mapping[str, Any]) -> Obj:
     """The ClusterIP Service on port 8000 in front of the serving pods."""
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(owner, deployment_name(owner), c.COMPONENT_SERVER),
@@ -373,25 +339,25 @@ def service(spec: Mapping[str, Any], owner: Mapping[str, Any]) -> Obj:
                                 "protocol": "TCP"}]}}
 
 
-def hpa(spec: Mapping[str, Any], owner: Mapping[str, Any]) -> Obj:
+def hpa(spec: Spec, owner: Mapping[str, Any]) -> Obj:
     """The ``autoscaling/v2`` HPA for mode ``hpa``: a Pods metric
     ``kiln_request_queue_time_seconds`` (mean queue time per pod, as prometheus-adapter's rule
     in the chart serves it) with target ``targetQueueTimeSeconds`` as an average value."""
-    a = autoscaling(spec)
+    a = as_spec(spec).autoscaling
     return {
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
         "metadata": _meta(owner, deployment_name(owner), c.COMPONENT_SERVER),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
                                "name": deployment_name(owner)},
-            "minReplicas": int(a["minReplicas"]), "maxReplicas": int(a["maxReplicas"]),
+            "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas,
             "metrics": [{"type": "Pods", "pods": {
                 "metric": {"name": c.HPA_METRIC_NAME},
                 "target": {"type": "AverageValue",
-                           "averageValue": to_quantity(a["targetQueueTimeSeconds"])}}}],
+                           "averageValue": to_quantity(a.target_queue_time_seconds)}}}],
             "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": int(a["scaleUpStabilizationSeconds"])},
-                "scaleDown": {"stabilizationWindowSeconds": int(a["scaleDownStabilizationSeconds"])},
+                "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_seconds},
+                "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds},
             },
         },
     }

@@ -22,6 +22,7 @@ from .autoscaler import BuiltinAutoscaler
 from .conditions import now_rfc3339
 from .kube import ApiError, Kube
 from .reconcile import Reconciler, ReconcilerConfig
+from .spec import AutoscalingSpec, EngineSpecError, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -144,20 +145,22 @@ class Controller:
         while True:
             await asyncio.sleep(self.config.autoscale_seconds)
             for key, body in list(self.bodies.items()):
-                spec = body.get("spec") or {}
-                scaling = b.autoscaling(spec)
-                if scaling["mode"] != "builtin" or spec.get("suspend"):
+                try:
+                    spec = parse_spec(body.get("spec") or {})
+                except EngineSpecError:
+                    spec = None  # the reconcile reports it (InvalidSpec)
+                if spec is None or spec.autoscaling.mode != "builtin" or spec.suspend:
                     self.autoscaler.forget(key)
                     continue
                 try:
-                    changed = await asyncio.to_thread(self._scrape_one, key, body, scaling)
+                    changed = await asyncio.to_thread(self._scrape_one, key, body, spec.autoscaling)
                 except Exception as e:  # noqa: BLE001
                     log.warning("autoscaler scrape of %s failed: %s", key, e)
                     continue
                 if changed:
                     self.enqueue(key)
 
-    def _scrape_one(self, key: str, body: Mapping[str, Any], scaling: Mapping[str, Any]) -> bool:
+    def _scrape_one(self, key: str, body: Mapping[str, Any], scaling: AutoscalingSpec) -> bool:
         meta = body["metadata"]
         owner = {"name": meta["name"], "namespace": meta["namespace"]}
         dep = self.kube.get("apps/v1", "Deployment", meta["namespace"], b.deployment_name(owner))

@@ -1,5 +1,10 @@
-"""Level-based reconcile of one InferenceEngine: observe the children, compute the desired
-state with the pure builders, close the gap with server-side apply, report status.
+"""Level-based reconcile of one InferenceEngine as observe -> plan -> act.
+
+``Reconciler.reconcile(body)`` parses the spec once (``spec.parse_spec``), reads the cluster
+into an ``Observed`` (``observe``), asks the pure planner what to do (``plan.plan``: child
+manifests, deletions, the status with its conditions) and does it (``act``): deletions, then
+every child through the one server-side-apply writer (``kube.Kube.apply``), then the status
+when it changed, with an Event per condition transition.
 
 Engine completeness: an engine ``<hash>`` is complete on a cache claim when its *engine
 record* exists (a ConfigMap ``kiln-engine-<hash>-<claim>``), which the operator writes when the
@@ -11,17 +16,22 @@ owned), and lets several resources share an engine.  Delete a record to force a 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from kiln.common.enginespec import BuildSpec, EngineSpecError
+from kiln.common.enginespec import EngineSpecError
 
 from . import builders as b
 from . import conditions as cond
 from . import constants as c
 from .kube import ApiError, Kube
+from .plan import Observed, Plan, ScalerWish, job_state, plan
+from .spec import InferenceEngineSpec, InvalidSpec, parse_spec, source_text
+
+__all__ = ["ReconcilerConfig", "Outcome", "Reconciler", "job_state"]
 
 log = logging.getLogger(__name__)
 
@@ -68,38 +78,6 @@ class Outcome:
     applied: list[str] = field(default_factory=list)
 
 
-def job_state(job: Mapping[str, Any] | None) -> tuple[str, str, str]:
-    """``(state, reason, message)`` of a Job: state is Pending, Running, Succeeded or Failed;
-    for Failed, reason and message come from the Job's Failed condition
-    (``BackoffLimitExceeded``, ``DeadlineExceeded``...)."""
-    if not job:
-        return "Pending", "", ""
-    st = job.get("status") or {}
-    for cd in st.get("conditions") or []:
-        if cd.get("status") != "True":
-            continue
-        if cd.get("type") in ("Complete", "SuccessCriteriaMet"):
-            return "Succeeded", cd.get("reason") or "Completed", cd.get("message") or ""
-        if cd.get("type") in ("Failed", "FailureTarget"):
-            return "Failed", cd.get("reason") or "Failed", cd.get("message") or ""
-    if st.get("active"):
-        return "Running", "", ""
-    return "Pending", "", ""
-
-
-def source_text(spec: Mapping[str, Any]) -> str:
-    """The model source as one string (``builtin:NAME``, ``pvc://CLAIM/PATH``, ``hf://REPO@REV``)."""
-    m = spec.get("model") or {}
-    if m.get("builtin"):
-        return f"builtin:{m['builtin']}"
-    if m.get("pvc"):
-        return f"pvc://{m['pvc'].get('claimName')}/{m['pvc'].get('path', '')}"
-    if m.get("huggingFace"):
-        hf = m["huggingFace"]
-        return f"hf://{hf.get('repo')}" + (f"@{hf['revision']}" if hf.get("revision") else "")
-    return ""
-
-
 class Reconciler:
     """Reconciles InferenceEngines through a ``Kube``.  ``scaler`` (optional) answers the
     builtin autoscaler's wish: ``scaler(key) -> (replicas | None, status dict | None)``."""
@@ -110,218 +88,72 @@ class Reconciler:
         self.config = config or ReconcilerConfig()
         self.scaler = scaler or (lambda key: (None, None))
 
-    # --- the reconcile ------------------------------------------------------------------------
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         """Close the gap for one InferenceEngine ``body`` (as last seen).  Raises ``ApiError``
         on API failures (the controller retries with backoff)."""
         meta = body["metadata"]
         owner = {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}
-        key = f"{owner['namespace']}/{owner['name']}"
-        out = Outcome(key=key)
+        out = Outcome(key=f"{owner['namespace']}/{owner['name']}")
         if meta.get("deletionTimestamp"):
             return out  # owner references garbage-collect the children
-        spec = body.get("spec") or {}
-        old_status = body.get("status") or {}
-        generation = int(meta.get("generation") or 0)
         now = cond.now_rfc3339()
-        suspended = bool(spec.get("suspend"))
-        scaling = b.autoscaling(spec)
-        status: Obj = {"observedGeneration": generation, "selector": b.selector_string(owner),
-                       "endpoint": b.endpoint(owner), "model": source_text(spec)}
-
+        raw = body.get("spec") or {}
         try:
-            bs = BuildSpec.from_dict(spec)
-            rt = spec.get("runtime") or {}
-            # kiln serve refuses to serve past an engine's build limits: every pod would crash
-            for rt_field, build_field, limit in (("maxModelLen", "maxSeqLen", bs.max_seq_len),
-                                                 ("maxNumSeqs", "maxBatchSize", bs.max_batch_size),
-                                                 ("maxNumBatchedTokens", "maxNumTokens", bs.max_num_tokens)):
-                v = rt.get(rt_field)
-                if isinstance(v, int) and not isinstance(v, bool) and v > limit:
-                    raise EngineSpecError(f"runtime.{rt_field} {v} is larger than build.{build_field} {limit}: an "
-                                          f"engine serves at most the limits it was built for")
+            spec: InferenceEngineSpec | InvalidSpec = parse_spec(raw)
         except EngineSpecError as e:
-            status.update(phase=c.PHASE_DEGRADED, replicas=0, readyReplicas=0)
-            status["conditions"] = cond.merge_conditions(old_status.get("conditions"), [
-                cond.Condition(c.COND_ENGINE_BUILT, "False", "InvalidSpec", str(e)),
-                cond.Condition(c.COND_AVAILABLE, "False", "InvalidSpec", str(e)),
-                cond.Condition(c.COND_PROGRESSING, "False", "InvalidSpec", str(e)),
-                cond.Condition(c.COND_DEGRADED, "True", "InvalidSpec", str(e)),
-            ], generation, now)
-            out.phase = c.PHASE_DEGRADED
-            out.body = self._write_status(body, owner, old_status, status, now)
-            out.status_written = out.body is not None
-            return out
-        h = bs.hash()
-        out.hash = h
-        status["engineHash"] = h
-        ns = owner["namespace"]
-        stor = b.storage(spec)
-        degraded: tuple[str, str] | None = None
-
-        # 1. The engine cache claim (created if missing, never owned, never rewritten).
-        if self.kube.get("v1", "PersistentVolumeClaim", ns, stor["claimName"]) is None:
-            if stor["create"]:
-                self.kube.apply(b.cache_claim(spec, owner))
-                out.applied.append("PersistentVolumeClaim")
-            else:
-                degraded = ("ClaimNotFound", f"engine cache claim {stor['claimName']} does not exist")
-
-        # 2. The engine: a record says it is complete; otherwise a build Job makes it.
-        record = self.kube.get("v1", "ConfigMap", ns, b.record_name(stor["claimName"], h))
-        built = record is not None
-        jname = b.job_name(owner, h)
-        jobs = self.kube.list("batch/v1", "Job", ns, label_selector=(
-            f"{c.LABEL_ENGINE}={owner['name'][:63]},{c.LABEL_COMPONENT}={c.COMPONENT_BUILD}"))
-        job = next((j for j in jobs if j["metadata"]["name"] == jname), None)
-        for other in jobs:  # builds of hashes no longer wanted are stopped, finished ones kept
-            if other is not job and job_state(other)[0] in ("Pending", "Running") \
-                    and not other["metadata"].get("deletionTimestamp"):
-                self.kube.delete("batch/v1", "Job", ns, other["metadata"]["name"])
-        state, jreason, jmessage = job_state(job)
-        build_status: Obj = {"jobName": jname}
-        if job:
-            js = job.get("status") or {}
-            for k_from, k_to in (("startTime", "startTime"), ("completionTime", "completionTime")):
-                if js.get(k_from):
-                    build_status[k_to] = js[k_from]
-            if js.get("failed"):
-                build_status["failedAttempts"] = int(js["failed"])
-        if built:
-            build_status["state"] = "Succeeded" if job and state == "Succeeded" else "Cached"
-            if not job:
-                build_status = {"state": "Cached", "jobName": record.get("data", {}).get("builtBy", "")}
-        elif state == "Succeeded":
-            self.kube.apply(b.engine_record(spec, h, owner, jname, job.get("status", {}).get("completionTime") or now))
-            out.applied.append("ConfigMap")
-            built = True
-            build_status["state"] = "Succeeded"
-        elif state == "Failed":
-            build_status["state"] = "Failed"
-            build_status["message"] = f"{jreason}: {jmessage}".strip(": ")
-            degraded = degraded or ("BuildFailed", f"build Job {jname} failed: {jreason}"
-                                    + (f": {jmessage}" if jmessage else ""))
-        elif suspended:
-            if job and not job["metadata"].get("deletionTimestamp"):
-                self.kube.delete("batch/v1", "Job", ns, jname)
-            build_status = {"state": "Pending", "jobName": jname, "message": "suspended"}
-        else:
-            if job is None and degraded is None:
-                self.kube.apply(b.build_job(spec, h, owner, self.config.default_image))
-                out.applied.append("Job")
-            build_status["state"] = state
-            build_status["message"] = f"building engine {h} with {bs.quantization}"
-        status["build"] = build_status
-        out.built = built
-
-        # 3. The Deployment: the new engine only once it exists; until then the old one stays.
-        dname = b.deployment_name(owner)
-        dep = self.kube.get("apps/v1", "Deployment", ns, dname)
-        serving = None
-        if dep is not None:
-            serving = ((dep["spec"]["template"]["metadata"].get("labels") or {}).get(c.LABEL_ENGINE_HASH))
-        target = h if built else (serving if suspended and dep is not None else None)
-        if target is not None:
-            replicas = self._replicas(key, spec, scaling, suspended, dep)
-            dep = self.kube.apply(b.deployment(spec, target, owner, replicas=replicas,
-                                               default_image=self.config.default_image))
-            out.applied.append("Deployment")
-            serving = target
-        out.serving_hash = serving
-        if serving:
-            status["servingEngineHash"] = serving
-
-        # 4. The Service (always: the endpoint is stable before the first pod is ready).
-        self.kube.apply(b.service(spec, owner))
-        out.applied.append("Service")
-
-        # 5. The autoscaler: exactly one owner of replicas.
-        if dep is not None:
-            if scaling["mode"] == "hpa" and not suspended:
-                self.kube.apply(b.hpa(spec, owner))
-                out.applied.append("HorizontalPodAutoscaler")
-            else:
-                self.kube.delete("autoscaling/v2", "HorizontalPodAutoscaler", ns, dname)
-        if scaling["mode"] == "builtin" and not suspended:
-            _, scaler_status = self.scaler(key)
-            if scaler_status:
-                status["autoscaler"] = scaler_status
-
-        # 6. Status.
-        ds = (dep or {}).get("status") or {}
-        dspec_replicas = int(((dep or {}).get("spec") or {}).get("replicas") or 0)
-        out.replicas = dspec_replicas if dep is not None else None
-        ready = int(ds.get("readyReplicas") or 0)
-        status["replicas"] = int(ds.get("replicas") or 0)
-        status["readyReplicas"] = ready
-        rolled = dep is not None and int(ds.get("observedGeneration") or 0) >= int(dep["metadata"].get("generation") or 0) \
-            and int(ds.get("updatedReplicas") or 0) == dspec_replicas and int(ds.get("replicas") or 0) == dspec_replicas \
-            and ready == dspec_replicas
-        conds: list[cond.Condition] = []
-        if built:
-            conds.append(cond.Condition(c.COND_ENGINE_BUILT, "True",
-                                        "BuildSucceeded" if build_status.get("state") == "Succeeded" else "EngineCached",
-                                        f"engine {h} is complete"))
-        elif state == "Failed":
-            conds.append(cond.Condition(c.COND_ENGINE_BUILT, "False", "BuildFailed", build_status.get("message", "")))
-        elif suspended:
-            conds.append(cond.Condition(c.COND_ENGINE_BUILT, "False", "Suspended", "builds are stopped while suspended"))
-        else:
-            conds.append(cond.Condition(c.COND_ENGINE_BUILT, "False", "Building", f"build Job {jname} is {state.lower()}"))
-        if suspended:
-            conds.append(cond.Condition(c.COND_AVAILABLE, "False", "Suspended", "scaled to zero"))
-        elif ready > 0:
-            conds.append(cond.Condition(c.COND_AVAILABLE, "True", "MinimumReplicasAvailable",
-                                        f"{ready}/{dspec_replicas} replicas ready"))
-        else:
-            conds.append(cond.Condition(c.COND_AVAILABLE, "False",
-                                        "NoReadyReplicas" if dep is not None else "EngineNotBuilt",
-                                        "no serving replica is ready" if dep is not None else "waiting for the engine"))
-        if degraded:
-            conds.append(cond.Condition(c.COND_PROGRESSING, "False", degraded[0], degraded[1]))
-        elif not built and not suspended:
-            conds.append(cond.Condition(c.COND_PROGRESSING, "True", "Building", f"building engine {h}"))
-        elif dep is not None and not rolled and not suspended:
-            conds.append(cond.Condition(c.COND_PROGRESSING, "True", "RollingOut",
-                                        f"{int(ds.get('updatedReplicas') or 0)}/{dspec_replicas} replicas updated"))
-        else:
-            conds.append(cond.Condition(c.COND_PROGRESSING, "False", "ReconcileComplete", "desired state reached"))
-        conds.append(cond.Condition(c.COND_DEGRADED, "True", *degraded) if degraded
-                     else cond.Condition(c.COND_DEGRADED, "False", "AsExpected", ""))
-        if suspended:
-            phase = c.PHASE_SUSPENDED
-        elif degraded:
-            phase = c.PHASE_DEGRADED
-        elif not built:
-            phase = c.PHASE_BUILDING
-        elif ready > 0 and rolled:
-            phase = c.PHASE_READY
-        else:
-            phase = c.PHASE_DEPLOYING
-        status["phase"] = phase
-        status["conditions"] = cond.merge_conditions(old_status.get("conditions"), conds, generation, now)
-        out.phase = phase
-        out.body = self._write_status(body, owner, old_status, status, now)
+            spec = InvalidSpec(str(e), model=source_text(raw.get("model") if isinstance(raw, Mapping) else None))
+        observed = self.observe(body, spec)
+        todo = plan(spec, observed, now, default_image=self.config.default_image)
+        applied = self.act(todo)
+        dep = applied.get("Deployment")
+        if dep is not None and dep != observed.deployment:
+            # The status describes the Deployment as the API server answered the apply: its
+            # generation also moves on edits the plan cannot see (the server fills defaults).
+            todo = plan(spec, dataclasses.replace(observed, deployment=dep), now,
+                        default_image=self.config.default_image)
+        out.hash, out.phase, out.built = todo.hash, todo.phase, todo.built
+        out.serving_hash, out.replicas = todo.serving_hash, todo.replicas
+        out.applied = list(applied)
+        out.body = self.write_status(observed, todo.status, now)
         out.status_written = out.body is not None
         return out
 
-    def _replicas(self, key: str, spec: Mapping[str, Any], scaling: Mapping[str, Any],
-                  suspended: bool, dep: Mapping[str, Any] | None) -> int | None:
-        if suspended:
-            return 0
-        mode = scaling["mode"]
-        if mode == "hpa":
-            return None
-        if mode == "builtin":
-            want, _ = self.scaler(key)
-            if want is None:
-                current = ((dep or {}).get("spec") or {}).get("replicas")
-                want = int(current) if current else int(scaling["minReplicas"])
-            return max(int(scaling["minReplicas"]), min(int(scaling["maxReplicas"]), want))
-        return int(spec.get("replicas", 1))
+    # --- observe ---------------------------------------------------------------------------------
+    def observe(self, body: Mapping[str, Any], spec: InferenceEngineSpec | InvalidSpec) -> Observed:
+        """Read what ``spec`` is planned against: the engine cache claim, the engine record of
+        the spec's hash, this resource's build Jobs, the Deployment, the builtin autoscaler's
+        wish.  An invalid spec reads nothing."""
+        meta = body["metadata"]
+        owner = {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}
+        seen = Observed(owner=owner, generation=int(meta.get("generation") or 0), status=body.get("status") or {})
+        if isinstance(spec, InvalidSpec):
+            return seen
+        ns, claim = owner["namespace"], spec.storage.claim_name
+        wish = ScalerWish()
+        if spec.autoscaling.mode == "builtin" and not spec.suspend:
+            wish = ScalerWish(*self.scaler(f"{ns}/{owner['name']}"))
+        return dataclasses.replace(
+            seen,
+            claim_exists=self.kube.get("v1", "PersistentVolumeClaim", ns, claim) is not None,
+            record=self.kube.get("v1", "ConfigMap", ns, b.record_name(claim, spec.engine_hash)),
+            jobs=tuple(self.kube.list("batch/v1", "Job", ns, label_selector=(
+                f"{c.LABEL_ENGINE}={owner['name'][:63]},{c.LABEL_COMPONENT}={c.COMPONENT_BUILD}"))),
+            deployment=self.kube.get("apps/v1", "Deployment", ns, b.deployment_name(owner)),
+            wish=wish)
 
-    def _write_status(self, body: Mapping[str, Any], owner: Mapping[str, Any], old: Mapping[str, Any],
-                      new: Obj, now: str) -> Obj | None:
+    # --- act -------------------------------------------------------------------------------------
+    def act(self, todo: Plan) -> dict[str, Obj]:
+        """Delete what ``todo`` no longer wants, then server-side apply its children in order.
+        Returns each applied kind's object as the API server answered."""
+        for ref in todo.delete:
+            self.kube.delete(ref.api_version, ref.kind, ref.namespace, ref.name)
+        return {obj["kind"]: self.kube.apply(obj) for obj in todo.apply}
+
+    def write_status(self, observed: Observed, new: Obj, now: str) -> Obj | None:
+        """Apply ``new`` as the status subresource when it differs from the last one, and post
+        an Event per condition transition.  Returns the InferenceEngine after the apply, None
+        when nothing changed."""
+        old, owner = observed.status, observed.owner
         if _same(old, new):
             return None
         obj = {"apiVersion": c.API_VERSION, "kind": c.KIND,

@@ -1,0 +1,440 @@
+"""The InferenceEngine ``spec`` as a typed, read-only tree, parsed once per reconcile.
+
+``parse_spec(raw)`` turns the resource's ``spec`` (a plain dict, as the API server returns it)
+into an ``InferenceEngineSpec`` with the CRD's defaults (crds/inferenceengine.yaml) filled, so
+the planner and the builders read fields instead of ``spec.get(...) or {}`` chains.  A spec the
+operator cannot act on raises ``EngineSpecError`` whose message names the field; the reconcile
+reports it as the ``InvalidSpec`` condition reason.
+
+The parser checks types and the rules the API server cannot (the engine spec's, and serving
+knobs within the engine's build limits); ranges and enums are the CRD's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kiln.common.enginespec import BuildSpec, EngineSpecError
+
+__all__ = [
+    "EngineSpecError", "SecretKeyRef", "ModelSpec", "ComputeResources", "BuildJobSpec", "EnvVar",
+    "RuntimeSpec", "ResourcesSpec", "AutoscalingSpec", "StorageSpec", "RolloutSpec",
+    "InferenceEngineSpec", "InvalidSpec", "parse_spec", "as_spec", "source_text",
+]
+
+AUTOSCALING_MODES = ("off", "hpa", "builtin")
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """A key of a Secret in the resource's namespace (``model.huggingFace.secretRef``)."""
+
+    name: str
+    key: str = "token"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``spec.model``: where the weights come from (exactly one source; the hashed form of the
+    source is ``InferenceEngineSpec.engine.source``).
+
+    Fields:
+        builtin: a model shipped with Kiln (``smollm2-135m-instruct``), or None.
+        pvc_claim / pvc_path: a model folder or ``.gguf`` file on a claim, or None.
+        hf_repo / hf_revision: a Hugging Face Hub repository and its pinned revision, or None.
+        hf_token: the Secret key exposed to the build Job as ``HF_TOKEN``, or None.
+        served_model_name: the name ``/v1/models`` reports; None means the resource's name.
+        text: the source as one string (``builtin:NAME``, ``pvc://CLAIM/PATH``,
+            ``hf://REPO@REV``): ``status.model``.
+    """
+
+    builtin: str | None = None
+    pvc_claim: str | None = None
+    pvc_path: str | None = None
+    hf_repo: str | None = None
+    hf_revision: str | None = None
+    hf_token: SecretKeyRef | None = None
+    served_model_name: str | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ComputeResources:
+    """Requests and limits of a container, quantities as strings (``{"memory": "16Gi"}``)."""
+
+    requests: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildJobSpec:
+    """The build Job's settings in ``spec.build`` (the settings that change the engine's bytes
+    are ``InferenceEngineSpec.engine``).
+
+    Fields:
+        backoff_limit: retries of the build Job before it is marked failed.
+        active_deadline_seconds: wall-clock limit of the build Job.
+        resources: the build container's requests and limits (a calibrating build also gets
+            the GPUs of ``spec.resources``).
+    """
+
+    backoff_limit: int = 1
+    active_deadline_seconds: int = 7200
+    resources: ComputeResources = field(default_factory=ComputeResources)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One plain environment variable of the serving container."""
+
+    name: str
+    value: str = ""
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """``spec.runtime``: the ``kiln serve`` knobs (not part of the engine hash).  None means
+    the flag is not passed (``kiln serve`` picks, within the engine's build limits)."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_fraction: float = 0.85
+    scheduler_policy: str = "max_utilization"
+    tensor_parallel_size: int = 1
+    compile_cache: bool = True  # keep Triton's kernel cache on the engine cache claim
+    extra_args: tuple[str, ...] = ()
+    env: tuple[EnvVar, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    """``spec.resources``: placement and compute of the serving pods (placement also of the
+    build pods).
+
+    Fields:
+        gpus: GPUs per serving pod per tensor-parallel rank; 0 serves on CPU.
+        gpu_resource_name: the extended resource of a GPU.
+        compute: requests and limits of the serving container (GPUs added by the builders).
+        node_selector / tolerations: as in a Pod spec.
+    """
+
+    gpus: int = 1
+    gpu_resource_name: str = "nvidia.com/gpu"
+    compute: ComputeResources = field(default_factory=ComputeResources)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: who owns the Deployment's replicas and on what signal.
+
+    Fields:
+        mode: ``off`` (``spec.replicas``), ``hpa`` (an autoscaling/v2 HPA) or ``builtin`` (the
+            operator scrapes the pods itself).
+        min_replicas / max_replicas: bounds when autoscaling (max defaults to max(4, min)).
+        target_queue_time_seconds: target mean request queue time per pod.
+        scale_up_stabilization_seconds / scale_down_stabilization_seconds: windows.
+    """
+
+    mode: str = "off"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_time_seconds: float = 0.5
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """``spec.storage``: the engine cache claim, shared by the engines of a namespace.
+
+    Fields:
+        claim_name: the PersistentVolumeClaim holding ``/engines/<hash>``.
+        create: create the claim when it is missing (False: it must exist).
+        size / storage_class_name / access_modes: of a created claim.
+    """
+
+    claim_name: str = "kiln-engine-cache"
+    create: bool = True
+    size: str = "50Gi"
+    storage_class_name: str | None = None
+    access_modes: tuple[str, ...] = ("ReadWriteOnce",)
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """``spec.rollout``: the serving Deployment's rolling update and startup budget."""
+
+    max_surge: int = 1
+    max_unavailable: int = 0
+    startup_timeout_seconds: int = 1800
+
+
+@dataclass(frozen=True)
+class InferenceEngineSpec:
+    """A parsed InferenceEngine ``spec`` (``parse_spec``), CRD defaults filled.
+
+    Fields:
+        engine: the normalized build spec (model source, quantization, build limits): what the
+            engine hash is computed from.
+        model / build / runtime / resources / autoscaling / storage / rollout: the sections.
+        replicas: serving pods when autoscaling is off.
+        image: the runtime image; empty means the operator's default.
+        image_pull_policy: pull policy of the runtime image.
+        suspend: serving scaled to zero and builds stopped.
+    """
+
+    engine: BuildSpec
+    model: ModelSpec = field(default_factory=ModelSpec)
+    build: BuildJobSpec = field(default_factory=BuildJobSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    replicas: int = 1
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    storage: StorageSpec = field(default_factory=StorageSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    image: str = ""
+    image_pull_policy: str = "IfNotPresent"
+    suspend: bool = False
+
+    @property
+    def engine_hash(self) -> str:
+        """The engine hash (content address of ``engine``)."""
+        return self.engine.hash()
+
+    @property
+    def keeps_compile_cache(self) -> bool:
+        """The serving pods keep Triton's kernel cache on the engine cache claim
+        (``runtime.compileCache``), unless the claim can only be mounted read-only."""
+        modes = set(self.storage.access_modes)
+        if modes and modes <= {"ReadOnlyMany"}:
+            return False
+        return self.runtime.compile_cache
+
+
+@dataclass(frozen=True)
+class InvalidSpec:
+    """A spec the operator cannot act on: ``message`` names the field (the ``InvalidSpec``
+    condition's message); ``model`` is the model source as far as it reads (``status.model``)."""
+
+    message: str
+    model: str = ""
+
+
+# --- field readers: ``path`` names the field in errors ------------------------------------
+
+def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    v = raw.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise EngineSpecError(f"{path}: expected an object, got {type(v).__name__}")
+    return v
+
+
+def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None) -> int | None:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise EngineSpecError(f"{path}: expected an integer, got {v!r}")
+    return v
+
+
+def _number(raw: Mapping[str, Any], key: str, path: str, default: float) -> float:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise EngineSpecError(f"{path}: expected a number, got {v!r}")
+    return v
+
+
+def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise EngineSpecError(f"{path}: expected true or false, got {v!r}")
+    return v
+
+
+def _str(raw: Mapping[str, Any], key: str, path: str, default: str | None) -> str | None:
+    v = raw.get(key)
+    if v is None or v == "":
+        return default
+    if not isinstance(v, str):
+        raise EngineSpecError(f"{path}: expected a string, got {v!r}")
+    return v
+
+
+def _list(raw: Mapping[str, Any], key: str, path: str) -> list[Any]:
+    v = raw.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, (list, tuple)):
+        raise EngineSpecError(f"{path}: expected a list, got {type(v).__name__}")
+    return list(v)
+
+
+def _quantities(raw: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+    return {str(k): str(v) for k, v in _section(raw, key, path).items()}
+
+
+def _compute(raw: Mapping[str, Any], path: str) -> ComputeResources:
+    return ComputeResources(requests=_quantities(raw, "requests", f"{path}.requests"),
+                            limits=_quantities(raw, "limits", f"{path}.limits"))
+
+
+# --- the sections ---------------------------------------------------------------------------
+
+def source_text(model: Any) -> str:
+    """The model source of a raw ``spec.model`` as one string (``builtin:NAME``,
+    ``pvc://CLAIM/PATH``, ``hf://REPO@REV``); empty when there is none.  Lenient: it also
+    names the source of a spec that does not parse."""
+    m = model if isinstance(model, Mapping) else {}
+    if m.get("builtin"):
+        return f"builtin:{m['builtin']}"
+    pvc = m.get("pvc")
+    if pvc:
+        pvc = pvc if isinstance(pvc, Mapping) else {}
+        return f"pvc://{pvc.get('claimName')}/{pvc.get('path', '')}"
+    hf = m.get("huggingFace")
+    if hf:
+        hf = hf if isinstance(hf, Mapping) else {}
+        return f"hf://{hf.get('repo')}" + (f"@{hf['revision']}" if hf.get("revision") else "")
+    return ""
+
+
+def _model(raw: Mapping[str, Any]) -> ModelSpec:
+    m = _section(raw, "model", "model")
+    pvc = _section(m, "pvc", "model.pvc")
+    hf = _section(m, "huggingFace", "model.huggingFace")
+    secret = _section(hf, "secretRef", "model.huggingFace.secretRef")
+    token = None
+    if secret:
+        name = _str(secret, "name", "model.huggingFace.secretRef.name", None)
+        if name is None:
+            raise EngineSpecError("model.huggingFace.secretRef: name is required")
+        token = SecretKeyRef(name, _str(secret, "key", "model.huggingFace.secretRef.key", "token"))
+    return ModelSpec(
+        builtin=_str(m, "builtin", "model.builtin", None),
+        pvc_claim=_str(pvc, "claimName", "model.pvc.claimName", None),
+        pvc_path=_str(pvc, "path", "model.pvc.path", None),
+        hf_repo=_str(hf, "repo", "model.huggingFace.repo", None),
+        hf_revision=_str(hf, "revision", "model.huggingFace.revision", None),
+        hf_token=token,
+        served_model_name=_str(m, "servedModelName", "model.servedModelName", None),
+        text=source_text(m))
+
+
+def _runtime(raw: Mapping[str, Any], engine: BuildSpec) -> RuntimeSpec:
+    rt = _section(raw, "runtime", "runtime")
+    env = []
+    for i, e in enumerate(_list(rt, "env", "runtime.env")):
+        if not isinstance(e, Mapping) or not e.get("name"):
+            raise EngineSpecError(f"runtime.env[{i}]: expected an object with a name")
+        env.append(EnvVar(str(e["name"]), str(e.get("value", ""))))
+    out = RuntimeSpec(
+        max_num_seqs=_int(rt, "maxNumSeqs", "runtime.maxNumSeqs", None),
+        max_num_batched_tokens=_int(rt, "maxNumBatchedTokens", "runtime.maxNumBatchedTokens", None),
+        max_model_len=_int(rt, "maxModelLen", "runtime.maxModelLen", None),
+        block_size=_int(rt, "blockSize", "runtime.blockSize", 16),
+        kv_cache_memory_fraction=_number(rt, "kvCacheMemoryFraction", "runtime.kvCacheMemoryFraction", 0.85),
+        scheduler_policy=_str(rt, "schedulerPolicy", "runtime.schedulerPolicy", "max_utilization"),
+        tensor_parallel_size=_int(rt, "tensorParallelSize", "runtime.tensorParallelSize", 1),
+        compile_cache=_bool(rt, "compileCache", "runtime.compileCache", True),
+        extra_args=tuple(str(a) for a in _list(rt, "extraArgs", "runtime.extraArgs")),
+        env=tuple(env))
+    # kiln serve refuses to serve past an engine's build limits: every pod would crash
+    for rt_field, value, build_field, limit in (
+            ("maxModelLen", out.max_model_len, "maxSeqLen", engine.max_seq_len),
+            ("maxNumSeqs", out.max_num_seqs, "maxBatchSize", engine.max_batch_size),
+            ("maxNumBatchedTokens", out.max_num_batched_tokens, "maxNumTokens", engine.max_num_tokens)):
+        if value is not None and value > limit:
+            raise EngineSpecError(f"runtime.{rt_field} {value} is larger than build.{build_field} {limit}: an "
+                                  f"engine serves at most the limits it was built for")
+    return out
+
+
+def _resources(raw: Mapping[str, Any]) -> ResourcesSpec:
+    res = _section(raw, "resources", "resources")
+    tolerations = []
+    for i, t in enumerate(_list(res, "tolerations", "resources.tolerations")):
+        if not isinstance(t, Mapping):
+            raise EngineSpecError(f"resources.tolerations[{i}]: expected an object")
+        tolerations.append(dict(t))
+    return ResourcesSpec(
+        gpus=_int(res, "gpus", "resources.gpus", 1),
+        gpu_resource_name=_str(res, "gpuResourceName", "resources.gpuResourceName", "nvidia.com/gpu"),
+        compute=_compute(res, "resources"),
+        node_selector={str(k): str(v) for k, v in _section(res, "nodeSelector", "resources.nodeSelector").items()},
+        tolerations=tuple(tolerations))
+
+
+def _autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
+    a = _section(raw, "autoscaling", "autoscaling")
+    mode = _str(a, "mode", "autoscaling.mode", "off")
+    if mode not in AUTOSCALING_MODES:
+        raise EngineSpecError(f"autoscaling.mode: {mode!r} is not one of {', '.join(AUTOSCALING_MODES)}")
+    low = _int(a, "minReplicas", "autoscaling.minReplicas", 1)
+    return AutoscalingSpec(
+        mode=mode, min_replicas=low,
+        max_replicas=_int(a, "maxReplicas", "autoscaling.maxReplicas", max(4, low)),
+        target_queue_time_seconds=float(_number(a, "targetQueueTimeSeconds", "autoscaling.targetQueueTimeSeconds", 0.5)),
+        scale_up_stabilization_seconds=_int(a, "scaleUpStabilizationSeconds",
+                                            "autoscaling.scaleUpStabilizationSeconds", 0),
+        scale_down_stabilization_seconds=_int(a, "scaleDownStabilizationSeconds",
+                                              "autoscaling.scaleDownStabilizationSeconds", 300))
+
+
+def _storage(raw: Mapping[str, Any]) -> StorageSpec:
+    s = _section(raw, "storage", "storage")
+    size = s.get("size")
+    return StorageSpec(
+        claim_name=_str(s, "claimName", "storage.claimName", "kiln-engine-cache"),
+        create=_bool(s, "create", "storage.create", True),
+        size="50Gi" if size is None else str(size),
+        storage_class_name=_str(s, "storageClassName", "storage.storageClassName", None),
+        access_modes=tuple(str(x) for x in (_list(s, "accessModes", "storage.accessModes")
+                                            if "accessModes" in s else ["ReadWriteOnce"])))
+
+
+def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
+    """Parse an InferenceEngine ``spec``.  Raises ``EngineSpecError`` naming the field."""
+    if not isinstance(raw, Mapping):
+        raise EngineSpecError("spec: expected an object")
+    engine = BuildSpec.from_dict(raw)
+    build = _section(raw, "build", "build")
+    rollout = _section(raw, "rollout", "rollout")
+    return InferenceEngineSpec(
+        engine=engine,
+        model=_model(raw),
+        build=BuildJobSpec(
+            backoff_limit=_int(build, "backoffLimit", "build.backoffLimit", 1),
+            active_deadline_seconds=_int(build, "activeDeadlineSeconds", "build.activeDeadlineSeconds", 7200),
+            resources=_compute(_section(build, "resources", "build.resources"), "build.resources")),
+        runtime=_runtime(raw, engine),
+        resources=_resources(raw),
+        replicas=_int(raw, "replicas", "replicas", 1),
+        autoscaling=_autoscaling(raw),
+        storage=_storage(raw),
+        rollout=RolloutSpec(
+            max_surge=_int(rollout, "maxSurge", "rollout.maxSurge", 1),
+            max_unavailable=_int(rollout, "maxUnavailable", "rollout.maxUnavailable", 0),
+            startup_timeout_seconds=_int(rollout, "startupTimeoutSeconds", "rollout.startupTimeoutSeconds", 1800)),
+        image=_str(raw, "image", "image", ""),
+        image_pull_policy=_str(raw, "imagePullPolicy", "imagePullPolicy", "IfNotPresent"),
+        suspend=_bool(raw, "suspend", "suspend", False))
+
+
+def as_spec(spec: InferenceEngineSpec | Mapping[str, Any]) -> InferenceEngineSpec:
+    """``spec`` itself when parsed, else ``parse_spec(spec)`` (callers holding a manifest's
+    plain ``spec`` dict).  Raises ``EngineSpecError``."""
+    return spec if isinstance(spec, InferenceEngineSpec) else parse_spec(spec)

@@ -1,0 +1,248 @@
+"""The pure planner on plain data: one test per phase transition of an InferenceEngine.
+
+No API, no fake one: an ``Observed`` (what a reconcile read) goes in, a ``Plan`` (children to
+apply, children to delete, the status) comes out.
+"""
+
+import copy
+
+import pytest
+
+from kiln.operator import builders as b
+from kiln.operator import constants as c
+from kiln.operator.plan import ChildRef, Observed, ScalerWish, plan
+from kiln.operator.spec import InvalidSpec, parse_spec
+
+NOW = "2026-01-02T03:04:05Z"
+OWNER = {"name": "smollm2", "namespace": "team-a", "uid": "u-1"}
+RAW = {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int4-awq"}, "replicas": 2}
+SPEC = parse_spec(RAW)
+H = SPEC.engine_hash
+
+
+def spec(**changes):
+    return parse_spec({**RAW, **changes})
+
+
+def job(hash_, state="running", **status):
+    st = {"running": {"active": 1, "startTime": "2026-01-01T00:00:00Z"},
+          "pending": {},
+          "succeeded": {"succeeded": 1, "completionTime": "2026-01-01T01:00:00Z",
+                        "conditions": [{"type": "Complete", "status": "True"}]},
+          "failed": {"failed": 2, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                                  "message": "Job has reached the specified backoff limit"}]}}[state]
+    return {"metadata": {"name": b.job_name(OWNER, hash_)}, "status": {**st, **status}}
+
+
+def record(hash_, built_by="team-a/smollm2-build-x"):
+    return {"metadata": {"name": b.record_name("kiln-engine-cache", hash_)},
+            "data": {"engineHash": hash_, "builtBy": built_by}}
+
+
+def deployment(hash_, replicas=2, ready=0, updated=None, generation=1, observed_generation=1):
+    d = b.deployment(SPEC, hash_, OWNER, replicas=replicas)
+    d["metadata"]["generation"] = generation
+    d["status"] = {"observedGeneration": observed_generation, "replicas": replicas,
+                   "updatedReplicas": replicas if updated is None else updated, "readyReplicas": ready}
+    return d
+
+
+def observed(**fields):
+    return Observed(**{"owner": OWNER, "generation": 3, "claim_exists": True, **fields})
+
+
+def kinds(p):
+    return [o["kind"] for o in p.apply]
+
+
+def cond(p, type_):
+    return next(x for x in p.status["conditions"] if x["type"] == type_)
+
+
+def reasons(p):
+    return {x["type"]: (x["status"], x["reason"]) for x in p.status["conditions"]}
+
+
+def test_new_resource_is_pending_to_building():
+    """Nothing exists: the claim, the build Job and the Service are applied; no Deployment."""
+    p = plan(SPEC, observed(claim_exists=False), NOW)
+    assert kinds(p) == ["PersistentVolumeClaim", "Job", "Service"] and p.delete == ()
+    assert p.manifest("Job") == b.build_job(SPEC, H, OWNER)
+    assert p.phase == p.status["phase"] == c.PHASE_BUILDING and p.hash == H and not p.built
+    assert reasons(p) == {"EngineBuilt": ("False", "Building"), "Available": ("False", "EngineNotBuilt"),
+                          "Progressing": ("True", "Building"), "Degraded": ("False", "AsExpected")}
+    st = p.status
+    assert st["engineHash"] == H and st["model"] == "builtin:smollm2-135m-instruct"
+    assert st["endpoint"] == "http://smollm2.team-a.svc:8000/v1" and st["selector"] == b.selector_string(OWNER)
+    assert st["build"] == {"jobName": b.job_name(OWNER, H), "state": "Pending",
+                           "message": f"building engine {H} with int4-awq"}
+    assert (st["replicas"], st["readyReplicas"]) == (0, 0) and "servingEngineHash" not in st
+    assert all(x["observedGeneration"] == 3 and x["lastTransitionTime"] == NOW for x in st["conditions"])
+    assert p.serving_hash is None and p.replicas is None
+
+
+def test_running_build_creates_nothing_new():
+    p = plan(SPEC, observed(jobs=(job(H),)), NOW)
+    assert kinds(p) == ["Service"]
+    assert p.status["build"]["state"] == "Running" and p.status["build"]["startTime"] == "2026-01-01T00:00:00Z"
+    assert cond(p, "EngineBuilt")["message"] == f"build Job {b.job_name(OWNER, H)} is running"
+
+
+def test_succeeded_build_is_recorded_and_deployed():
+    """Building -> Deploying: the Job succeeded, so the engine record is written and the
+    Deployment of the new engine is created in the same plan."""
+    p = plan(SPEC, observed(jobs=(job(H, "succeeded"),)), NOW)
+    assert kinds(p) == ["ConfigMap", "Deployment", "Service"]
+    assert p.manifest("ConfigMap") == b.engine_record(SPEC, H, OWNER, b.job_name(OWNER, H), "2026-01-01T01:00:00Z")
+    assert p.manifest("Deployment") == b.deployment(SPEC, H, OWNER, replicas=2)
+    assert p.delete == (ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", "team-a", "smollm2"),)
+    assert p.built and p.serving_hash == H and p.replicas == 2 and p.phase == c.PHASE_DEPLOYING
+    assert reasons(p) == {"EngineBuilt": ("True", "BuildSucceeded"), "Available": ("False", "NoReadyReplicas"),
+                          "Progressing": ("True", "RollingOut"), "Degraded": ("False", "AsExpected")}
+    assert p.status["build"]["state"] == "Succeeded" and p.status["servingEngineHash"] == H
+
+
+def test_record_of_a_job_without_completion_time_is_stamped_now():
+    done = job(H, "succeeded")
+    del done["status"]["completionTime"]
+    p = plan(SPEC, observed(jobs=(done,)), NOW)
+    assert p.manifest("ConfigMap")["data"]["completedAt"] == NOW
+
+
+def test_deploying_until_rolled_out_then_ready():
+    """Deploying -> Ready: ready only when every replica is updated, ready and observed."""
+    seen = dict(record=record(H), jobs=(job(H, "succeeded"),))
+    rolling = plan(SPEC, observed(deployment=deployment(H, ready=1, updated=1), **seen), NOW)
+    assert rolling.phase == c.PHASE_DEPLOYING
+    assert reasons(rolling)["Available"] == ("True", "MinimumReplicasAvailable")
+    assert cond(rolling, "Progressing")["message"] == "1/2 replicas updated"
+    ready = plan(SPEC, observed(deployment=deployment(H, ready=2), **seen), NOW)
+    assert ready.phase == c.PHASE_READY and ready.status["readyReplicas"] == 2 and ready.status["replicas"] == 2
+    assert reasons(ready) == {"EngineBuilt": ("True", "BuildSucceeded"),
+                              "Available": ("True", "MinimumReplicasAvailable"),
+                              "Progressing": ("False", "ReconcileComplete"), "Degraded": ("False", "AsExpected")}
+    assert ready.manifest("Deployment") == b.deployment(SPEC, H, OWNER, replicas=2)  # re-applied: drift repair
+    stale = plan(SPEC, observed(deployment=deployment(H, ready=2, generation=2, observed_generation=1), **seen), NOW)
+    assert stale.phase == c.PHASE_DEPLOYING  # its controller has not seen the last change yet
+
+
+def test_cached_engine_needs_no_build():
+    """A record without a Job (a revert, or another resource's build): EngineCached."""
+    p = plan(SPEC, observed(record=record(H, "team-a/other-build-1")), NOW)
+    assert "Job" not in kinds(p) and "Deployment" in kinds(p)
+    assert p.status["build"] == {"state": "Cached", "jobName": "team-a/other-build-1"}
+    assert reasons(p)["EngineBuilt"] == ("True", "EngineCached")
+
+
+def test_failed_build_degrades_without_a_deployment():
+    p = plan(SPEC, observed(jobs=(job(H, "failed"),)), NOW)
+    assert kinds(p) == ["Service"] and p.delete == ()  # no retry storm, no Deployment
+    assert p.phase == c.PHASE_DEGRADED
+    d = cond(p, "Degraded")
+    assert d["status"] == "True" and d["reason"] == "BuildFailed" and "BackoffLimitExceeded" in d["message"]
+    assert reasons(p)["EngineBuilt"] == ("False", "BuildFailed")
+    assert reasons(p)["Progressing"] == ("False", "BuildFailed")
+    assert p.status["build"]["state"] == "Failed" and p.status["build"]["failedAttempts"] == 2
+
+
+def test_invalid_spec_is_degraded_and_touches_nothing():
+    p = plan(InvalidSpec("model: exactly one source is required", model=""), observed(), NOW)
+    assert p.apply == () and p.delete == () and p.hash is None and p.phase == c.PHASE_DEGRADED
+    assert {x["type"]: (x["status"], x["reason"]) for x in p.status["conditions"]} == {
+        "EngineBuilt": ("False", "InvalidSpec"), "Available": ("False", "InvalidSpec"),
+        "Progressing": ("False", "InvalidSpec"), "Degraded": ("True", "InvalidSpec")}
+    assert cond(p, "Degraded")["message"] == "model: exactly one source is required"
+    assert p.status["replicas"] == 0 and "engineHash" not in p.status
+
+
+def test_suspend_stops_a_running_build():
+    p = plan(spec(suspend=True), observed(jobs=(job(H),)), NOW)
+    assert "Job" not in kinds(p)
+    assert p.delete == (ChildRef("batch/v1", "Job", "team-a", b.job_name(OWNER, H)),)
+    assert p.phase == c.PHASE_SUSPENDED
+    assert p.status["build"] == {"state": "Pending", "jobName": b.job_name(OWNER, H), "message": "suspended"}
+    assert reasons(p) == {"EngineBuilt": ("False", "Suspended"), "Available": ("False", "Suspended"),
+                          "Progressing": ("False", "ReconcileComplete"), "Degraded": ("False", "AsExpected")}
+    assert plan(spec(suspend=True), observed(), NOW).delete == ()  # nothing runs: nothing to stop
+
+
+def test_suspend_scales_the_deployment_to_zero():
+    s = spec(suspend=True)
+    p = plan(s, observed(record=record(H), deployment=deployment(H, ready=2)), NOW)
+    assert p.manifest("Deployment")["spec"]["replicas"] == 0 and p.replicas == 0
+    assert p.phase == c.PHASE_SUSPENDED and ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", "team-a",
+                                                     "smollm2") in p.delete
+    # suspended mid-change: the Deployment keeps its engine, scaled to zero, while no build runs
+    old = plan(s, observed(deployment=deployment("0" * 16, ready=2)), NOW)
+    assert old.manifest("Deployment")["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == "0" * 16
+    assert old.manifest("Deployment")["spec"]["replicas"] == 0 and "Job" not in kinds(old)
+
+
+def test_engine_hash_change_keeps_the_old_deployment_until_the_new_engine_is_built():
+    old = "0" * 16
+    p = plan(SPEC, observed(deployment=deployment(old, ready=2), jobs=(job(H),)), NOW)
+    assert "Deployment" not in kinds(p)  # the old pods keep serving, untouched
+    assert p.serving_hash == old and p.status["servingEngineHash"] == old and p.status["engineHash"] == H
+    assert p.phase == c.PHASE_BUILDING and reasons(p)["Available"] == ("True", "MinimumReplicasAvailable")
+    # the new engine is recorded: the Deployment rolls to it
+    p = plan(SPEC, observed(deployment=deployment(old, ready=2), record=record(H), jobs=(job(H, "succeeded"),)), NOW)
+    assert p.manifest("Deployment")["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == H
+    assert p.serving_hash == H and p.phase == c.PHASE_DEPLOYING
+    assert reasons(p)["Progressing"] == ("True", "RollingOut")
+
+
+def test_superseded_running_build_is_stopped_and_finished_ones_kept():
+    old_running, old_done = job("1" * 16), job("2" * 16, "succeeded")
+    gone = job("3" * 16)
+    gone["metadata"]["deletionTimestamp"] = NOW
+    p = plan(SPEC, observed(jobs=(old_running, old_done, gone)), NOW)
+    assert p.delete == (ChildRef("batch/v1", "Job", "team-a", old_running["metadata"]["name"]),)
+    assert "Job" in kinds(p)  # the wanted build starts
+
+
+def test_missing_existing_claim_degrades_and_builds_nothing():
+    p = plan(spec(storage={"claimName": "mine", "create": False}), observed(claim_exists=False), NOW)
+    assert kinds(p) == ["Service"] and p.phase == c.PHASE_DEGRADED
+    assert cond(p, "Degraded")["reason"] == "ClaimNotFound" and "mine" in cond(p, "Degraded")["message"]
+
+
+@pytest.mark.parametrize("autoscaling, wish, current, want", [
+    ({"mode": "off"}, ScalerWish(), None, 2),  # spec.replicas
+    ({"mode": "hpa", "maxReplicas": 5}, ScalerWish(), 4, None),  # the HPA owns them: left out
+    ({"mode": "builtin", "maxReplicas": 5}, ScalerWish(3, {"desiredReplicas": 3}), 1, 3),
+    ({"mode": "builtin", "maxReplicas": 5}, ScalerWish(99, {"desiredReplicas": 99}), 1, 5),  # clamped
+    ({"mode": "builtin", "minReplicas": 2, "maxReplicas": 5}, ScalerWish(), 4, 4),  # no wish yet: keep
+    ({"mode": "builtin", "minReplicas": 2, "maxReplicas": 5}, ScalerWish(), None, 2),  # new: the minimum
+])
+def test_one_owner_of_replicas(autoscaling, wish, current, want):
+    dep = None if current is None else deployment(H, replicas=current)
+    s = spec(autoscaling=autoscaling)
+    p = plan(s, observed(record=record(H), deployment=dep, wish=wish), NOW)
+    manifest = p.manifest("Deployment")
+    assert manifest["spec"].get("replicas") == want
+    hpa_ref = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", "team-a", "smollm2")
+    if autoscaling["mode"] == "hpa":
+        assert p.manifest("HorizontalPodAutoscaler") == b.hpa(s, OWNER) and hpa_ref not in p.delete
+        assert p.replicas == current  # the HPA's choice stays
+    else:
+        assert p.manifest("HorizontalPodAutoscaler") is None and hpa_ref in p.delete
+    assert p.status.get("autoscaler") == (dict(wish.status) if wish.status else None)
+
+
+def test_plan_is_pure():
+    seen = observed(record=record(H), deployment=deployment(H, ready=2),
+                    status={"conditions": [{"type": "Available", "status": "True", "reason": "X",
+                                            "lastTransitionTime": "2025-12-31T00:00:00Z"}]})
+    before = copy.deepcopy(seen)
+    assert plan(SPEC, seen, NOW) == plan(SPEC, seen, NOW)
+    assert seen == before  # inputs not mutated
+    # a condition whose status did not change keeps its transition time
+    assert cond(plan(SPEC, seen, NOW), "Available")["lastTransitionTime"] == "2025-12-31T00:00:00Z"
+    assert cond(plan(SPEC, seen, NOW), "EngineBuilt")["lastTransitionTime"] == NOW
+
+
+def test_default_image_is_the_operators_unless_the_spec_names_one():
+    p = plan(SPEC, observed(), NOW, default_image="registry.local/kiln:dev")
+    assert p.manifest("Job")["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/kiln:dev"
+    p = plan(spec(image="mine:1"), observed(), NOW, default_image="registry.local/kiln:dev")
+    assert p.manifest("Job")["spec"]["template"]["spec"]["containers"][0]["image"] == "mine:1"
