@@ -85,6 +85,7 @@ def check_can_listen(host: str, port: int) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    """Run ``kiln serve``: check the flags and the port, load the engine, serve until SIGTERM."""
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
     if ns.served_model_name is not None and not ns.served_model_name.strip():

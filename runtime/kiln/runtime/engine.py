@@ -76,20 +76,20 @@ class LLMEngine:
         if args.engine:
             from .engine_folder import open_engine  # noqa: PLC0415  (kiln build's output)
 
-            eng = open_engine(args.engine)
-            self.model_config: ModelConfig = eng.model_config
+            folder = open_engine(args.engine)
+            self.model_config: ModelConfig = folder.model_config
             _check_max_model_len(args, self.model_config)
             # the engine's build limit (TensorRT-LLM's max_seq_len): serve at most that context
-            engine_limit = int((eng.manifest.get("limits") or {}).get("max_seq_len") or 0)
+            engine_limit = int((folder.manifest.get("limits") or {}).get("max_seq_len") or 0)
             if engine_limit and args.max_model_len and args.max_model_len > engine_limit:
                 raise ValueError(f"max_model_len {args.max_model_len} is larger than the engine's build limit "
                                  f"({engine_limit} tokens, build max_seq_len / build.maxSeqLen); rebuild with a "
                                  f"larger --max-seq-len or serve a shorter context")
-            args = self.args = resolve_batch_limits(args, eng.manifest.get("limits"))
-            self.tokenizer = eng.load_tokenizer()
-            self.model_ref = eng.model_ref
+            args = self.args = resolve_batch_limits(args, folder.manifest.get("limits"))
+            self.tokenizer = folder.load_tokenizer()
+            self.model_ref = folder.model_ref
             self.runner = ModelRunner(self.model_config, args)
-            eng.load_into(self.runner)
+            folder.load_into(self.runner)
         else:
             args = self.args = resolve_batch_limits(args)
             src = loader.materialize_gguf(loader.resolve_source(args.model))
