@@ -15,10 +15,10 @@ $(VENV)/.kiln-installed: pyproject.toml requirements/lock.txt
 # install, kubectl apply examples/smollm2.yaml, engine build Job, rollout, one chat completion
 # through the Service with the openai client.  Leaves the plane up; `make demo-down` stops it.
 demo: setup
-	$(VPY) tests/cluster/demo_cluster.py
+	$(VPY) -m kiln.devcluster.demo
 
 demo-down:
-	$(VPY) tests/cluster/demo_cluster.py --down-only
+	$(VPY) -m kiln.devcluster.demo --down-only
 
 # The runtime alone: `kiln serve` on the embedded default and one chat request.
 demo-runtime: setup
@@ -39,5 +39,5 @@ serve: setup
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The test Kubernetes control plane (issue: control plane), owned by tests/cluster/.
--include tests/cluster/cluster.mk
+# The development Kubernetes control plane (cluster-build, cluster-up, ...): devcluster/.
+-include devcluster/cluster.mk

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
 
-_ROOTS = ("common", "runtime", "kernels", "operator")
+_ROOTS = ("common", "runtime", "kernels", "operator", "devcluster")
 packages: list[str] = []
 package_dir: dict[str, str] = {}
 for root in _ROOTS:

@@ -1,6 +1,6 @@
 """The custom-metrics server's pure parts, without a cluster."""
 
-from custom_metrics import pod_value, quantity, target_of
+from kiln.devcluster.custom_metrics import pod_value, quantity, target_of
 
 
 def test_quantity_is_exact_to_a_thousandth():

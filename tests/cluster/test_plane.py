@@ -10,21 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from plane import KWOK_NODE_LABEL
+from kiln.devcluster.paths import BUILD_SH
+from kiln.devcluster.plane import KWOK_NODE_LABEL
+from kiln.devcluster.wait import wait_for as _wait_for
 
 pytestmark = pytest.mark.cluster
 
 
+PROGRESS: list = []  # the plane's progress probe (set for each test by _waits_follow_the_plane)
+
+
+@pytest.fixture(autouse=True)
+def _waits_follow_the_plane(kube_plane):
+    PROGRESS[:] = [kube_plane.progress]
+
+
 def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.5):
-    """Polls fn until it returns something truthy; returns that, or fails naming what."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+    """Polls fn until it returns something truthy; returns that, or fails naming what once for
+    `timeout` seconds neither fn's answer nor the plane's objects changed (kiln.devcluster.wait)."""
+    try:
+        return _wait_for(what, fn, stall=timeout, interval=interval, progress=PROGRESS[0] if PROGRESS else None)
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 def deployment(name: str, replicas: int, gpus: int = 0, labels: dict | None = None) -> dict:
@@ -60,7 +67,7 @@ def test_versions_are_the_pinned_release(kube_plane):
 def test_plane_runs_from_the_cached_binaries_and_records_its_start_time(kube_plane):
     # The start time (etcd to every readiness check, measured by Plane.up; absent for a reused
     # plane) is a measurement printed in the run's summary, not asserted: CI machines are noisy.
-    cached = subprocess.run(["bash", str(Path(__file__).resolve().parent / "build.sh"), "--print"],
+    cached = subprocess.run(["bash", str(BUILD_SH), "--print"],
                             capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     assert Path(kube_plane.state["bin"]) == Path(cached)
     for daemon, pid in kube_plane.state["pids"].items():

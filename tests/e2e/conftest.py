@@ -1,10 +1,12 @@
-"""Fixtures of the end-to-end tests: the whole stack (tests/cluster/e2e_stack.py) on a private
+"""Fixtures of the end-to-end tests: the whole stack (kiln.devcluster.stack) on a private
 plane with one process-backed node, the chart installed and the operator running locally as
 the chart's ServiceAccount.  Pods really run `kiln build` and `kiln serve`.
 
 Binaries of the plane missing: skip (unless CI=true or KILN_PLANE_BUILD=1: build them).
 KILN_E2E_PLANE=<name> uses (and keeps) a named plane instead of a private one.
 Measured numbers are appended to ``<plane>/e2e-measurements.jsonl`` and printed at the end.
+An interrupted run stops the stack it started (the node's pods and the operator are its
+children; the private plane is bound to it: kiln.devcluster.procs).
 """
 
 from __future__ import annotations
@@ -12,23 +14,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
-from plane import bin_dir, reap_stale  # noqa: E402
+from kiln.devcluster.plane import bin_dir, reap_stale
+from kiln.devcluster.stack import Stack
+from kiln.devcluster.wait import wait_for
 
 MEASUREMENTS: list[dict] = []
 
 
 @pytest.fixture(scope="session")
 def stack():
-    from e2e_stack import Stack
-
     build = os.environ.get("KILN_PLANE_BUILD") == "1" or os.environ.get("CI") == "true"
     try:
         bin_dir(build=build)
@@ -36,8 +36,13 @@ def stack():
         pytest.skip(str(exc))
     named = os.environ.get("KILN_E2E_PLANE")
     reap_stale("e2e-")
-    s = Stack(named or f"e2e-{os.getpid()}", log=lambda m: print(f"[e2e {time.strftime('%H:%M:%S')}] {m}", flush=True))
-    s.up()
+    s = Stack(named or f"e2e-{os.getpid()}", log=lambda m: print(f"[e2e {time.strftime('%H:%M:%S')}] {m}", flush=True),
+              bind_plane=not named)
+    try:
+        s.up()
+    except BaseException:  # an interrupt or a failure half-way: stop what was started
+        s.down(keep_plane=bool(named), remove=not named)
+        raise
     yield s
     s.down(keep_plane=bool(named), remove=not named)
 
@@ -47,19 +52,19 @@ def ns(stack, request):
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"{base or 't'}-{uuid.uuid4().hex[:6]}"
     stack.kubectl("create", "namespace", name)
-    deadline = time.monotonic() + 30
-    while not stack.kubectl("get", "serviceaccount", "default", "-n", name, "--ignore-not-found"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no default ServiceAccount in {name}")
-        time.sleep(0.2)
+    wait_for(f"the default ServiceAccount in {name}",
+             lambda: stack.kubectl("get", "serviceaccount", "default", "-n", name, "--ignore-not-found"),
+             stall=60, interval=0.2)
     yield name
     stack.plane.custom_metrics.clear(name)
     stack.kubectl("delete", "inferenceengines", "--all", "-n", name, "--wait=false", check=False)
     stack.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
-    # The node kills the namespace's processes as the pods go; wait so the next test has the CPU.
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and stack.pods(name):
-        time.sleep(1)
+    # The node kills the namespace's processes as the pods go; wait so the next test has the CPU
+    # (while pods still go away; a pod that hangs in deletion is the next test's problem).
+    try:
+        stack.wait_for("the namespace's pods gone", lambda: not stack.pods(name), stall=90, interval=1, ns=name)
+    except TimeoutError:
+        pass
 
 
 @pytest.fixture

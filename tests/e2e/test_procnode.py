@@ -1,4 +1,4 @@
-"""The process-backed node itself (tests/cluster/procnode.py), with plain Python commands
+"""The process-backed node itself (kiln.devcluster.procnode), with plain Python commands
 instead of the model: exit codes become Job outcomes, PVC mounts map onto host folders,
 readiness probes gate EndpointSlices, liveness failures restart, deletion kills."""
 
@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
-from procnode import map_value, pod_log_path  # noqa: E402
+from kiln.devcluster.procnode import ProcNode, map_value, pod_log_path
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -27,17 +24,6 @@ def test_map_value():
     assert map_value("/tmpfoo", m, "10.0.0.2") == "/tmpfoo"
     assert map_value("0.0.0.0", m, "10.0.0.2") == "10.0.0.2"
     assert map_value("0.0.0.0:8000", m, "10.0.0.2") == "10.0.0.2:8000"
-
-
-def wait_for(what, fn, timeout=60.0, interval=0.3):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
 def job(name: str, code: str, volumes=None, mounts=None, args=None) -> dict:
@@ -65,8 +51,8 @@ def test_jobs_pvc_and_exit_codes(stack, ns):
     stack.apply_obj(job("write", "import os, sys; open(sys.argv[1], 'w').write(os.environ['HOSTNAME'])",
                         vol, mnt, args=["/data/hello"]), ns)
     stack.apply_obj(job("fail", "import sys; print('bye'); sys.exit(3)"), ns)
-    assert wait_for("write completes", lambda: job_condition(stack, ns, "write")) == "Complete"
-    assert wait_for("fail fails", lambda: job_condition(stack, ns, "fail")) == "Failed"
+    assert stack.wait_for("write completes", lambda: job_condition(stack, ns, "write"), ns=ns) == "Complete"
+    assert stack.wait_for("fail fails", lambda: job_condition(stack, ns, "fail"), ns=ns) == "Failed"
     pods = {p["metadata"]["labels"]["job-name"]: p for p in stack.pods(ns)}
     term = pods["fail"]["status"]["containerStatuses"][0]["state"]["terminated"]
     assert pods["fail"]["status"]["phase"] == "Failed" and term["exitCode"] == 3
@@ -109,7 +95,7 @@ def test_probes_endpoints_and_kill_on_delete(stack, ns):
     stack.apply_obj(dep, ns)
     stack.apply_obj(svc, ns)
     proxy = stack.proxy("web", ns)
-    eps = proxy.wait_endpoints(2, timeout=60)
+    eps = proxy.wait_endpoints(2, progress=lambda: stack.progress(ns))
     ips = {p["status"]["podIP"] for p in stack.pods(ns)}
     assert {ip for ip, _ in eps} == ips and len(ips) == 2
     import httpx
@@ -119,14 +105,14 @@ def test_probes_endpoints_and_kill_on_delete(stack, ns):
     pod = stack.pods(ns)[0]
     scratch = stack.state_dir / "pods" / f"{ns}_{pod['metadata']['name']}_{pod['metadata']['uid'][:8]}" / "volumes" / "scratch"
     (scratch / "unready").write_text("")
-    wait_for("endpoint removed", lambda: len(proxy.refresh()) == 1, timeout=30)
+    stack.wait_for("endpoint removed", lambda: len(proxy.refresh()) == 1, stall=30, interval=0.3, ns=ns)
     (scratch / "unready").unlink()
-    wait_for("endpoint back", lambda: len(proxy.refresh()) == 2, timeout=30)
+    stack.wait_for("endpoint back", lambda: len(proxy.refresh()) == 2, stall=30, interval=0.3, ns=ns)
 
     # Deleting the pods kills their processes.
     pids = [int(c["containerID"].split("://")[1]) for p in stack.pods(ns) for c in p["status"]["containerStatuses"]]
     stack.kubectl("delete", "deployment", "web", "-n", ns, "--wait=true")
-    wait_for("pods gone", lambda: not stack.pods(ns), timeout=60)
+    stack.wait_for("pods gone", lambda: not stack.pods(ns), stall=60, interval=0.3, ns=ns)
 
     def dead(pid):
         try:
@@ -134,7 +120,7 @@ def test_probes_endpoints_and_kill_on_delete(stack, ns):
             return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
         except ProcessLookupError:
             return True
-    wait_for("processes gone", lambda: all(dead(p) for p in pids), timeout=15)
+    stack.wait_for("processes gone", lambda: all(dead(p) for p in pids), stall=15, interval=0.3, ns=ns)
 
 
 @pytest.mark.e2e
@@ -157,9 +143,9 @@ def test_liveness_failure_restarts_and_crash_loop(stack, ns):
         pods = stack.pods(ns, f"app={app}")
         return pods[0]["status"]["containerStatuses"][0] if pods and pods[0].get("status", {}).get(
             "containerStatuses") else {}
-    wait_for("a liveness restart", lambda: status("unlive").get("restartCount", 0) >= 1, timeout=60)
-    crash = wait_for("CrashLoopBackOff", lambda: (status("crash").get("state") or {}).get("waiting", {}).get(
-        "reason") == "CrashLoopBackOff" and status("crash"), timeout=60)
+    stack.wait_for("a liveness restart", lambda: status("unlive").get("restartCount", 0) >= 1, stall=60, interval=0.3, ns=ns)
+    crash = stack.wait_for("CrashLoopBackOff", lambda: (status("crash").get("state") or {}).get("waiting", {}).get(
+        "reason") == "CrashLoopBackOff" and status("crash"), stall=60, interval=0.3, ns=ns)
     assert crash["lastState"]["terminated"]["exitCode"] == 1
 
 
@@ -168,7 +154,6 @@ def test_liveness_failure_restarts_and_crash_loop(stack, ns):
 def test_loopback_pod_ips_fallback(stack, ns):
     """A node without CAP_NET_ADMIN hands out 127.0.x.y pod IPs: the EndpointSlice controller
     refuses them, and proc_proxy falls back to the Service's Ready pods."""
-    from procnode import ProcNode
     node = ProcNode(stack.plane.kubeconfig, "proc-lo", stack.state_dir.parent / "proc-lo", ip_subnet=251,
                     apiserver_port=stack.plane.state["ports"]["apiserver"], loopback_ips=True,
                     provision_volumes=False).start()
@@ -188,11 +173,11 @@ def test_loopback_pod_ips_fallback(stack, ns):
                          "spec": {"selector": {"app": "lo"}, "ports": [{"name": "http", "port": 80,
                                                                         "targetPort": "http"}]}}, ns)
         proxy = stack.proxy("lo", ns)
-        eps = proxy.wait_endpoints(1, timeout=60)
+        eps = proxy.wait_endpoints(1, progress=lambda: stack.progress(ns))
         assert eps[0][0].startswith("127.0.251.") and eps[0][1] == 8080
         import httpx
         assert httpx.get(proxy.url + "/", timeout=5).text == "hi"
         stack.kubectl("delete", "deployment", "lo", "-n", ns, "--wait=true")
-        wait_for("pods gone", lambda: not stack.pods(ns), timeout=60)
+        stack.wait_for("pods gone", lambda: not stack.pods(ns), stall=60, interval=0.3, ns=ns)
     finally:
         node.stop()

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests/cluster"), str(ROOT / "runtime"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "operator")]
 
-from plane import Plane, gpu_node  # noqa: E402
+from kiln.devcluster.plane import Plane, gpu_node  # noqa: E402
 
 from kiln.operator.kube import Kube, KubeConfig  # noqa: E402
 

@@ -19,7 +19,7 @@ def helm_bin():
     for cand in (os.environ.get("HELM"), shutil.which("helm")):
         if cand and os.access(cand, os.X_OK):
             return cand
-    r = subprocess.run(["bash", str(ROOT / "tests/cluster/build.sh"), "--print"], capture_output=True, text=True)
+    r = subprocess.run(["bash", str(ROOT / "devcluster/build.sh"), "--print"], capture_output=True, text=True)
     if r.returncode == 0 and r.stdout.strip():
         cand = Path(r.stdout.strip().splitlines()[-1]) / "helm"
         if cand.exists():
@@ -80,7 +80,7 @@ def test_rbac_is_exactly_what_the_operator_uses():
 
 
 HELM = helm_bin()
-needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary (bash tests/cluster/build.sh builds one)")
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary (bash devcluster/build.sh builds one)")
 
 
 def render(*sets, namespace="kiln-system"):

@@ -1,4 +1,4 @@
-"""Integration tests of the operator against the real control plane (tests/cluster): the chart
+"""Integration tests of the operator against the real control plane (kiln.devcluster): the chart
 is installed with helm, and the operator runs in this process with the chart's ServiceAccount
 token (so a missing RBAC rule fails the test).  kwok fakes the pods: build Jobs complete through
 kwok's pod-complete stage, serving pods become Ready without running.
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kiln.devcluster.wait import wait_for as _wait_for
 from kiln.operator import builders as b
 from kiln.operator import constants as c
 from kiln.operator.kube import Kube, KubeConfig
@@ -31,15 +32,13 @@ SA = "kiln"
 
 # --- helpers -----------------------------------------------------------------------------------
 
+PROGRESS: list = []  # the plane's progress probe, set by the `plane` fixture
+
+
 def wait_for(what, fn, timeout=60.0, interval=0.3):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+    """fn's truthy answer; TimeoutError once for `timeout` seconds neither that answer nor the
+    plane's objects changed (kiln.devcluster.wait: a loaded machine is slower, not failed)."""
+    return _wait_for(what, fn, stall=timeout, interval=interval, progress=PROGRESS[0] if PROGRESS else None)
 
 
 class FakeMetrics:
@@ -85,6 +84,7 @@ class Operator:
 
 @pytest.fixture(scope="module")
 def plane(kube_plane):
+    PROGRESS[:] = [kube_plane.progress]
     return kube_plane
 
 

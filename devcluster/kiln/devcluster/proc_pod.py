@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from procnode import ProcNode
+from kiln.devcluster import procs
+from kiln.devcluster.paths import VENV_BIN
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = REPO / ".venv" / "bin"
+if TYPE_CHECKING:
+    from kiln.devcluster.procnode import ProcNode
 
 log = logging.getLogger("procnode")
 
@@ -298,8 +298,8 @@ class PodRunner(threading.Thread):
         with open(cr.log_path, "ab") as out:
             out.write(f"--- {now_iso()} procnode: {shlex.join([exe, *argv[1:]])}\n".encode())
             out.flush()
-            cr.proc = subprocess.Popen([exe, *argv[1:]], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+            cr.proc = procs.spawn([exe, *argv[1:]], what=f"pod {self.ns}/{self.pname}: {cr.name}", bind=True,
+                                  env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         cr.started_at = now_iso()
         cr.run_started = time.monotonic()
         cr.waiting_reason = None
@@ -326,6 +326,7 @@ class PodRunner(threading.Thread):
             except ProcessLookupError:
                 pass
             p.wait()
+        procs.forget(p.pid)
 
     def _probe(self, spec: dict, c: dict) -> bool:
         timeout = float(spec.get("timeoutSeconds", 1))

@@ -1,6 +1,6 @@
 // Wrapper module: builds kwok (the fake kubelet) from sigs.k8s.io/kwok; its Stage
 // YAMLs (kustomize/stage/...) are copied out of the same module version.
-module kiln.dev/tests/cluster/kwok
+module kiln.dev/devcluster/kwok
 
 go 1.26.0
 

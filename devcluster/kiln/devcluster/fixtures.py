@@ -1,4 +1,5 @@
-"""Pytest fixtures for tests that need the control plane (registered by the root conftest.py).
+"""Pytest plugin for tests that need the control plane (loaded by tests/conftest.py with
+``pytest_plugins = ["kiln.devcluster.fixtures"]``, or ``-p kiln.devcluster.fixtures``).
 
 - `kube_plane` (session): a private plane "pytest-<pid>" for this run, started (~10 s) and removed
   at the end, so concurrent runs never share one. With KILN_PLANE=<name> (e.g. "dev", started by
@@ -8,24 +9,29 @@
 - `namespace` (function): a fresh namespace whose default ServiceAccount exists; deleted after.
 
 Mark such tests `@pytest.mark.cluster`.
+
+An interrupted run (Ctrl-C, SIGTERM, SIGHUP) stops every plane, operator, pod process and build
+it started: the plugin turns SIGTERM and SIGHUP into KeyboardInterrupt so fixture teardowns run,
+and what they miss ends at exit or with this process (kiln.devcluster.procs).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
-import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plane import Plane, bin_dir, reap_stale  # noqa: E402
-
+from kiln.devcluster import procs
+from kiln.devcluster.plane import Plane, bin_dir, reap_stale
+from kiln.devcluster.wait import wait_for
 
 STARTED: list[tuple[str, float | None]] = []  # (plane, seconds from etcd to ready) started by this run
+
+
+def pytest_configure(config):
+    procs.interrupt_on_signals()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -43,16 +49,17 @@ def kube_plane():
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     named = os.environ.get("KILN_PLANE")
+    keep = os.environ.get("KILN_PLANE_KEEP") == "1"
     reap_stale("pytest-")
     plane = Plane(named or f"pytest-{os.getpid()}",
                   num_gpu_nodes=int(os.environ.get("KILN_PLANE_GPU_NODES", "2")),
-                  gpus_per_node=int(os.environ.get("KILN_PLANE_GPUS_PER_NODE", "4")), bin=bins)
+                  gpus_per_node=int(os.environ.get("KILN_PLANE_GPUS_PER_NODE", "4")), bin=bins, bind=not keep)
     started = not plane.is_healthy()
     plane.up()
     if started:
         STARTED.append((plane.name, plane.state.get("started_s")))
     yield plane
-    if started and os.environ.get("KILN_PLANE_KEEP") != "1":
+    if started and not keep:
         plane.down(remove=not named)
 
 
@@ -61,11 +68,9 @@ def namespace(kube_plane, request):
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"{base or 't'}-{uuid.uuid4().hex[:6]}"
     kube_plane.kubectl("create", "namespace", name)
-    deadline = time.monotonic() + 30
-    while not kube_plane.kubectl("get", "serviceaccount", "default", "-n", name, "--ignore-not-found"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no default ServiceAccount in namespace {name}")
-        time.sleep(0.2)
+    wait_for(f"the default ServiceAccount in namespace {name}",
+             lambda: kube_plane.kubectl("get", "serviceaccount", "default", "-n", name, "--ignore-not-found"),
+             stall=60, interval=0.2)
     yield name
     kube_plane.custom_metrics.clear(name)
     kube_plane.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)

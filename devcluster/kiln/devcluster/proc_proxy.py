@@ -15,7 +15,8 @@ import itertools
 import logging
 import socket
 import threading
-import time
+
+from kiln.devcluster.wait import wait_for
 
 log = logging.getLogger("proc_proxy")
 
@@ -152,13 +153,15 @@ class ServiceProxy:
             threading.Thread(target=fn, daemon=True, name=f"proxy-{fn.__name__}").start()
         return self
 
-    def wait_endpoints(self, n: int = 1, timeout: float = 60) -> list[tuple[str, int]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.refresh()) >= n:
-                return self.endpoints
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.namespace}/{self.service}: fewer than {n} ready endpoints")
+    def wait_endpoints(self, n: int = 1, stall: float = 60, progress=None) -> list[tuple[str, int]]:
+        """Waits for n ready endpoints; fails after stall seconds in which neither the endpoints
+        nor progress() (e.g. ``Stack.progress``) changed."""
+        try:
+            wait_for(f"{n} ready endpoints", lambda: len(self.refresh()) >= n, stall=stall, interval=0.3,
+                     progress=lambda: (tuple(self.endpoints), progress() if progress else None))
+        except TimeoutError as e:
+            raise TimeoutError(f"{self.namespace}/{self.service}: fewer than {n} ready endpoints ({e})") from None
+        return self.endpoints
 
     def stop(self) -> None:
         self._stop.set()

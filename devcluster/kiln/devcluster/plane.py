@@ -2,12 +2,13 @@
 kube-scheduler and kwok run as plain processes from the binaries that build.sh caches, plus a
 custom-metrics API server that tests feed.
 
-    python tests/cluster/plane.py up [--name dev] [--gpu-nodes 2] [--gpus-per-node 4]
-    python tests/cluster/plane.py status|env|down [--name dev]
+    python -m kiln.devcluster.plane up [--name dev] [--gpu-nodes 2] [--gpus-per-node 4]
+    python -m kiln.devcluster.plane status|env|down [--name dev]
 
 Each plane lives in its own folder (${KILN_PLANE_HOME:-~/.cache/kiln/cluster/planes}/<name>/:
 state.json, kubeconfig, pki/, logs/, etcd data) on free ports, so a test run's plane ("pytest")
-and a developer's ("dev") run side by side. Stdlib only: it runs under any python3.
+and a developer's ("dev") run side by side. Stdlib only: it runs under any python3 with
+`devcluster/` on PYTHONPATH (what devcluster/cluster.mk does when there is no .venv).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import pki  # noqa: E402
-from custom_metrics import CustomMetrics  # noqa: E402
+from kiln.devcluster import pki, procs
+from kiln.devcluster.custom_metrics import CustomMetrics
+from kiln.devcluster.paths import BUILD_SH
+from kiln.devcluster.wait import log_sizes, objects_state, wait_for
 
 PLANES_HOME = Path(os.environ.get("KILN_PLANE_HOME", Path.home() / ".cache/kiln/cluster/planes"))
 ADVERTISE_ADDRESS = "127.0.0.1"  # the machine has no default route, so the apiserver cannot pick one
@@ -43,15 +44,26 @@ def log(msg: str) -> None:
 
 
 def bin_dir(build: bool = True) -> Path:
-    """The cached binaries' folder; runs build.sh (minutes the first time) when build is true."""
-    script = HERE / "build.sh"
-    r = subprocess.run(["bash", str(script), "--print"], capture_output=True, text=True)
-    if r.returncode != 0:
-        if not build:
-            raise FileNotFoundError("control-plane binaries are not built: run `make cluster-build`")
-        log("binaries missing: building them (tests/cluster/build.sh)")
-        r = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True, check=True)
-    return Path(r.stdout.strip().splitlines()[-1])
+    """The cached binaries' folder; runs build.sh (minutes the first time) when build is true.
+    The build is this process's child (a process group bound to it): interrupting this process
+    stops the build too (build.sh resumes where it stopped on the next call)."""
+    r = subprocess.run(["bash", str(BUILD_SH), "--print"], capture_output=True, text=True)
+    if r.returncode == 0:
+        return Path(r.stdout.strip().splitlines()[-1])
+    if not build:
+        raise FileNotFoundError("control-plane binaries are not built: run `make cluster-build`")
+    log(f"binaries missing: building them ({BUILD_SH})")
+    p = procs.spawn(["bash", str(BUILD_SH)], what="build.sh", bind=True, stdout=subprocess.PIPE)
+    try:
+        out, _ = p.communicate()
+    except BaseException:
+        procs.stop_group(p.pid, grace=10)
+        p.wait()
+        raise
+    procs.forget(p.pid)
+    if p.returncode != 0:
+        raise subprocess.CalledProcessError(p.returncode, ["bash", str(BUILD_SH)], out)
+    return Path(out.decode().strip().splitlines()[-1])
 
 
 def free_ports(n: int) -> list[int]:
@@ -87,6 +99,9 @@ class Plane:
     home: Path = field(default_factory=lambda: PLANES_HOME)
     bin: Path | None = None
     state: dict = field(default_factory=dict)
+    # True: the processes that up() starts end with this process (a test run's plane; see
+    # procs.py); False: they outlive it until down() (`make cluster-up`).
+    bind: bool = False
 
     def __post_init__(self) -> None:
         self.dir = Path(self.home) / self.name
@@ -144,6 +159,20 @@ class Plane:
         items = obj if isinstance(obj, list) else [obj]
         return self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 
+    def progress(self, namespace: str | None = None) -> tuple:
+        """What changes while workloads on the plane advance (pods, Jobs, Deployments, HPAs,
+        InferenceEngines of namespace, or of all): the progress probe of wait.wait_for."""
+        scope = ["-n", namespace] if namespace else ["-A"]
+        items: list[dict] = []
+        for kinds in ("pods,jobs.batch,deployments.apps,horizontalpodautoscalers.autoscaling",
+                      "inferenceengines.kiln.dev"):  # apart: the CRD may not be installed
+            try:
+                out = self.kubectl("get", kinds, *scope, "-o", "json", check=False)
+                items += json.loads(out or '{"items": []}').get("items", [])
+            except (ValueError, subprocess.TimeoutExpired):
+                pass
+        return objects_state(items)
+
     def add_node(self, name: str, gpus: int, kind: str = "kwok", labels: dict[str, str] | None = None,
                  taints: list[dict] | None = None) -> None:
         """Adds a node with gpus nvidia.com/gpu. kind "kwok" is run by kwok; any other kind (e.g.
@@ -181,10 +210,9 @@ class Plane:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        out = open(self.logs / f"{name}.log", "wb")  # this start's log only
-        p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd=self.dir)
-        out.close()
+        with open(self.logs / f"{name}.log", "wb") as out:  # this start's log only
+            p = procs.spawn(args, what=f"plane {self.name}: {name}", bind=self.bind, stdout=out,
+                            stderr=subprocess.STDOUT, cwd=self.dir)
         self._procs[name] = p
         self.state.setdefault("pids", {})[name] = p.pid
         self._save()
@@ -194,17 +222,20 @@ class Plane:
         tmp.write_text(json.dumps(self.state, indent=2) + "\n")
         tmp.rename(self.dir / "state.json")
 
-    def _wait(self, what: str, ok, timeout: float = 60, component: str | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if ok():
-                return
+    def _wait(self, what: str, ok, stall: float = 60, component: str | None = None) -> None:
+        """Waits until ok(); fails when component exits, or when for stall seconds neither ok()
+        nor the plane's logs changed (a loaded machine starts slowly, but its logs grow)."""
+        def check():
             proc = self._procs.get(component or "")
             if proc is not None and proc.poll() is not None:
                 tail = (self.logs / f"{component}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{component} exited while waiting for {what}:\n{tail}")
-            time.sleep(0.2)
-        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (logs: {self.logs})")
+            return ok()
+
+        try:
+            wait_for(what, check, stall=stall, interval=0.2, progress=lambda: log_sizes(self.logs), check_every=2)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e} (logs: {self.logs})") from None
 
     def up(self) -> "Plane":
         """Starts the plane (reusing one that already runs healthy) and waits until it is ready."""
@@ -291,7 +322,7 @@ class Plane:
             f"--server-address=127.0.0.1:{ports['kwok']}", f"--cidr={POD_CIDR}",
             f"--node-ip={ADVERTISE_ADDRESS}", "--node-lease-duration-seconds=40"])
         self._spawn("custom-metrics", [
-            sys.executable, str(HERE / "custom_metrics.py"), f"--port={ports['custom_metrics']}",
+            sys.executable, str(Path(__file__).with_name("custom_metrics.py")), f"--port={ports['custom_metrics']}",
             f"--cert={P / 'custom-metrics-serving.crt'}", f"--key={P / 'custom-metrics-serving.key'}",
             f"--apiserver={self.server}", f"--ca={P / 'ca.crt'}",
             f"--client-cert={P / 'custom-metrics.crt'}", f"--client-key={P / 'custom-metrics.key'}"])
@@ -358,6 +389,7 @@ class Plane:
         for p in running.values():
             if _alive(p, marker):
                 os.kill(p, signal.SIGKILL)
+            procs.forget(p)
         for proc in self._procs.values():  # reap our own children
             try:
                 proc.wait(timeout=5)
@@ -408,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-nodes", type=int, default=int(os.environ.get("KILN_PLANE_GPU_NODES", "2")))
     p.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("KILN_PLANE_GPUS_PER_NODE", "4")))
     a = p.parse_args(argv)
+    procs.interrupt_on_signals()  # a SIGTERM during `up` stops what it started, like Ctrl-C
     plane = Plane(a.name, a.gpu_nodes, a.gpus_per_node)
     if a.command == "up":
         plane.up()

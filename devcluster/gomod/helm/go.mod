@@ -1,5 +1,5 @@
 // Wrapper module: builds the helm v3 CLI from helm.sh/helm/v3.
-module kiln.dev/tests/cluster/helm
+module kiln.dev/devcluster/helm
 
 go 1.26.0
 

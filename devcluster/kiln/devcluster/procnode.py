@@ -1,7 +1,7 @@
 """A process-backed node for the test plane: a tiny kubelet that runs pods as local processes.
 
-    python tests/cluster/procnode.py run [--plane dev] [--name proc-0] [--gpus 4]
-    python tests/cluster/procnode.py logs NAMESPACE POD [--container kiln] [--plane dev]
+    python -m kiln.devcluster.procnode run [--plane dev] [--name proc-0] [--gpus 4]
+    python -m kiln.devcluster.procnode logs NAMESPACE POD [--container kiln] [--plane dev]
 
 Test infrastructure, not product code.  The agent
 
@@ -11,7 +11,7 @@ Test infrastructure, not product code.  The agent
 - provisions PersistentVolumes: each pending claim gets a ``hostPath`` PV pre-bound to it whose
   folder is ``<state>/volumes/<ns>_<claim>_<uid8>`` (the plane has no storage provisioner);
 - runs every pod bound to NAME: each container's ``command + args`` is started as a process
-  group, ``PATH`` starting with the repo's ``.venv/bin`` (so the runtime image's ``kiln``
+  group that ends with the agent (``procs.spawn(bind=True)``), ``PATH`` starting with the repo's ``.venv/bin`` (so the runtime image's ``kiln``
   resolves to /work/main/.venv/bin/kiln); volume mounts are mapped onto host folders by
   rewriting paths (an argument, env value or working dir equal to or under a ``mountPath``
   becomes the host folder: PVC -> its PV's folder, emptyDir -> ``<pod dir>/volumes/<name>``,
@@ -28,7 +28,8 @@ Test infrastructure, not product code.  The agent
   Succeeded/Failed, so Jobs complete; ``Always`` -> restart with back-off, CrashLoopBackOff);
 - writes logs to ``<state>/pods/<ns>_<pod>_<uid8>/<container>.log``, served to ``kubectl logs``
   (``--follow``, ``--tail``) by a kubelet-like HTTPS endpoint (self-signed, on 127.0.0.1, the
-  node's ``daemonEndpoints.kubeletEndpoint.Port``); ``procnode.py logs NS POD`` prints the file;
+  node's ``daemonEndpoints.kubeletEndpoint.Port``); ``python -m kiln.devcluster.procnode logs NS POD`` prints
+  the file;
 - on deletion sends SIGTERM to the process group, SIGKILL after the grace period (capped by
   ``max_grace_seconds``), then removes the pod object (grace 0), as the kubelet does.
 
@@ -52,9 +53,9 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from proc_pod import PodRunner, _api, map_value, now_iso, now_micro  # noqa: E402,F401  (map_value: re-exported)
+from kiln.devcluster import procs
+from kiln.devcluster.proc_pod import PodRunner, _api, map_value, now_iso, now_micro  # noqa: F401 (map_value: re-exported)
+
 NODE_KIND_LABEL = "kiln.dev/node-kind"
 NODE_KIND = "process"
 
@@ -372,6 +373,7 @@ class ProcNode:
                         except ProcessLookupError:
                             pass
                         cr.proc.wait()
+                    procs.forget(cr.proc.pid)
         for t in self._threads:
             t.join(timeout=5)
         if self._log_srv is not None:
@@ -395,8 +397,7 @@ def pod_log_path(state_dir: Path, namespace: str, pod: str, container: str = "ki
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(HERE))
-    from plane import Plane
+    from kiln.devcluster.plane import Plane
 
     p = argparse.ArgumentParser(description="a process-backed node for the test plane")
     p.add_argument("command", choices=["run", "logs"])

@@ -1,4 +1,4 @@
-"""The whole Kiln stack on the test plane, for the demo (demo_cluster.py) and tests/e2e:
+"""The whole Kiln stack on the test plane, for the demo (demo.py) and tests/e2e:
 
     plane (no kwok GPU nodes) + one process-backed node (procnode.py)
     + `helm install` of helm/kiln (replicaCount=0: no operator pod)
@@ -6,7 +6,8 @@
       (so the chart's RBAC is what the operator really gets)
     + a local proxy per Service (proc_proxy.py) to reach the pods' loopback IPs.
 
-Everything it starts is stopped by ``down()``; logs are under the plane folder:
+Everything it starts is stopped by ``down()`` (and, for tests, ends with the test process:
+procs.py); logs are under the plane folder:
 ``operator.log``, ``procnode/<node>/pods/<ns>_<pod>_<uid8>/<container>.log``.
 """
 
@@ -22,17 +23,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-from plane import Plane  # noqa: E402
-from proc_proxy import ServiceProxy  # noqa: E402
-from procnode import ProcNode, pod_log_path  # noqa: E402
+from kiln.devcluster import procs
+from kiln.devcluster.paths import REPO, VENV_BIN
+from kiln.devcluster.plane import Plane
+from kiln.devcluster.proc_proxy import ServiceProxy
+from kiln.devcluster.procnode import ProcNode, pod_log_path
+from kiln.devcluster.wait import log_lines, log_sizes, wait_for
 
 RELEASE = "kiln"
 RELEASE_NS = "kiln-system"
 SA = "kiln"  # the chart's ServiceAccount for release "kiln"
-KILN = str(REPO / ".venv" / "bin" / "kiln")
+KILN = str(VENV_BIN / "kiln")
 
 
 def say(msg: str) -> None:
@@ -42,11 +43,12 @@ def say(msg: str) -> None:
 class Stack:
     """``detached=False`` (tests): the node runs in this process, the operator as its child;
     ``detached=True`` (the demo): both run as background processes that outlive this one
-    (pids in ``<plane>/stack-pids.json``; ``down()`` or ``Stack(name).down()`` stops them)."""
+    (pids in ``<plane>/stack-pids.json``; ``down()`` or ``Stack(name).down()`` stops them).
+    ``bind_plane=True``: the plane's processes end with this process too (a test's private plane)."""
 
     def __init__(self, plane_name: str = "demo", node_name: str = "proc-0", operator_args: list[str] | None = None,
-                 log: Callable[[str], None] = say, detached: bool = False):
-        self.plane = Plane(plane_name, num_gpu_nodes=0, gpus_per_node=4)
+                 log: Callable[[str], None] = say, detached: bool = False, bind_plane: bool = False):
+        self.plane = Plane(plane_name, num_gpu_nodes=0, gpus_per_node=4, bind=bind_plane)
         self.node_name = node_name
         self.detached = detached
         self.pids_file = Path(self.plane.dir) / "stack-pids.json"
@@ -61,13 +63,14 @@ class Stack:
     # -- bring-up --
     def up(self) -> "Stack":
         t0 = time.monotonic()
-        self.log(f"control plane {self.plane.name!r}: building binaries if needed, starting (tests/cluster/plane.py)")
+        self.log(f"control plane {self.plane.name!r}: building binaries if needed, starting (kiln.devcluster.plane)")
         self.plane.up()
         self.log(f"control plane up ({time.monotonic() - t0:.1f} s): export KUBECONFIG={self.plane.kubeconfig}")
         if self.detached:
             if self._running("procnode") is None:
-                self._spawn("procnode", [sys.executable, str(HERE / "procnode.py"), "run", "--plane", self.plane.name,
-                                         "--name", self.node_name], Path(self.plane.dir) / "procnode.log")
+                self._spawn("procnode", [sys.executable, "-m", "kiln.devcluster.procnode", "run",
+                                         "--plane", self.plane.name, "--name", self.node_name],
+                            Path(self.plane.dir) / "procnode.log")
             self._wait_node()
         else:
             self.node = ProcNode(self.plane.kubeconfig, self.node_name, gpus=4,
@@ -95,24 +98,26 @@ class Stack:
         return pid if str(self.plane.dir) in cmd or f"--plane {self.plane.name} " in cmd + " " else None
 
     def _spawn(self, what: str, args: list[str], logf: Path) -> subprocess.Popen:
-        with open(logf, "ab") as out:
-            p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with open(logf, "ab") as out:  # detached: outlives this process; else ends with it
+            p = procs.spawn(args, what=f"stack {self.plane.name}: {what}", bind=not self.detached, stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         pids = self._pids()
         pids[what] = p.pid
         self.pids_file.parent.mkdir(parents=True, exist_ok=True)
         self.pids_file.write_text(json.dumps(pids))
         return p
 
-    def _wait_node(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _wait_node(self, stall: float = 60) -> None:
+        def ready() -> bool:
             out = self.kubectl("get", "node", self.node_name, "-o", "json", "--ignore-not-found")
-            if out.strip() and any(c["type"] == "Ready" and c["status"] == "True"
-                                   for c in json.loads(out)["status"].get("conditions") or []):
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"node {self.node_name} not Ready (log {self.plane.dir}/procnode.log)")
+            return bool(out.strip()) and any(c["type"] == "Ready" and c["status"] == "True"
+                                             for c in json.loads(out)["status"].get("conditions") or [])
+
+        try:
+            wait_for(f"node {self.node_name} Ready", ready, stall=stall,
+                     progress=lambda: log_sizes(self.plane.dir, "procnode.log"), check_every=2)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e} (log {self.plane.dir}/procnode.log)") from None
 
     @property
     def api(self):
@@ -175,6 +180,7 @@ class Stack:
             time.sleep(0.2)
         if self._running(what) == pid:
             os.kill(pid, signal.SIGKILL)
+        procs.forget(pid)
         pids = self._pids()
         pids.pop(what, None)
         if self.pids_file.parent.exists():
@@ -214,30 +220,50 @@ class Stack:
         args = ["get", "pods", "-n", ns, "-o", "json"] + (["-l", selector] if selector else [])
         return json.loads(self.kubectl(*args))["items"]
 
-    def wait_ready(self, name: str, ns: str, timeout: float = 900, generation: int | None = None,
+    def wait_ready(self, name: str, ns: str, stall: float = 600, generation: int | None = None,
                    progress: bool = True) -> float:
         """Waits until the engine's phase is Ready (for ``generation`` or later); prints each
-        change of phase, build state, replicas and pods.  Returns the seconds waited."""
+        change of phase, build state, replicas and pods.  Fails when it turns Degraded, or when
+        for ``stall`` seconds neither that view nor its pods' logs (build output, server start-up;
+        not probe access lines) changed: a loaded machine makes it slower, not failed.  Returns
+        the seconds waited."""
         t0 = time.monotonic()
-        last = None
-        while time.monotonic() - t0 < timeout:
+        last: list = [None]
+
+        def ready() -> bool:
             ie = self.engine(name, ns) or {}
             st = ie.get("status") or {}
             pods = self.pods(ns, f"kiln.dev/engine={name}")
             podsum = ", ".join(sorted(f"{p['metadata']['name']}:{self._pod_state(p)}" for p in pods)) or "-"
-            view = (st.get("phase"), (st.get("build") or {}).get("state"), st.get("readyReplicas"), podsum)
-            if progress and view != last:
-                self.log(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]} "
-                         f"ready={view[2]} pods=[{podsum}]")
-                last = view
+            view = (st.get("phase"), (st.get("build") or {}).get("state"), st.get("readyReplicas"), podsum,
+                    st.get("observedGeneration"))
+            if view != last[0]:
+                if progress:
+                    self.log(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]} "
+                             f"ready={view[2]} pods=[{podsum}]")
+                last[0] = view
             gen_ok = generation is None or int(st.get("observedGeneration") or 0) >= generation
-            if st.get("phase") == "Ready" and gen_ok:
-                return time.monotonic() - t0
             if st.get("phase") == "Degraded":
                 raise RuntimeError(f"{ns}/{name} is Degraded: {json.dumps(st.get('conditions'), indent=1)}\n"
                                    + self.failure_logs(ns, name))
-            time.sleep(1)
-        raise TimeoutError(f"{ns}/{name} not Ready after {timeout:.0f} s\n" + self.failure_logs(ns, name))
+            return st.get("phase") == "Ready" and gen_ok
+
+        try:
+            wait_for(f"{ns}/{name} Ready", ready, stall=stall, interval=1, check_every=1,
+                     progress=lambda: (last[0], log_lines(self.state_dir / "pods", f"{ns}_*/*.log")))
+        except TimeoutError as e:
+            raise TimeoutError(f"{ns}/{name} not Ready: {e}\n" + self.failure_logs(ns, name)) from None
+        return time.monotonic() - t0
+
+    def wait_for(self, what: str, fn, stall: float = 60, interval: float = 0.5, ns: str | None = None):
+        """wait.wait_for, counting this stack's progress (objects of ns, or of all namespaces, and
+        pod logs): fn's truthy answer, or TimeoutError after stall seconds without a change."""
+        return wait_for(what, fn, stall=stall, interval=interval, progress=lambda: self.progress(ns))
+
+    def progress(self, ns: str | None = None) -> tuple:
+        """What changes while the stack's workloads advance: the plane's objects (of ns, or all)
+        and the process node's pod logs (not probe access lines): wait_for's progress probe."""
+        return self.plane.progress(ns), log_lines(self.state_dir / "pods", f"{ns or '*'}_*/*.log")
 
     @staticmethod
     def _pod_state(p: dict) -> str:

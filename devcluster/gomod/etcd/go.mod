@@ -1,5 +1,5 @@
 // Wrapper module: builds etcd (the server) from go.etcd.io/etcd/server/v3.
-module kiln.dev/tests/cluster/etcd
+module kiln.dev/devcluster/etcd
 
 go 1.26.0
 
