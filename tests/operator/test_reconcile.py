@@ -256,3 +256,22 @@ def test_job_state():
     assert job_state({"status": {"active": 1}})[0] == "Running"
     assert job_state({"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]}})[:2] \
         == ("Failed", "DeadlineExceeded")
+
+
+def test_a_serving_spec_edit_reports_the_rollout_at_once(kube, rec):
+    """A runtime knob changes only the pod template: the apply starts a new Deployment
+    generation, and the status written in the same reconcile already says RollingOut."""
+    make_ie(kube, SPEC)
+    h = engine_hash(SPEC)
+    rec.reconcile(ie(kube))
+    finish_job(kube, f"smollm2-build-{h[:10]}")
+    rec.reconcile(ie(kube))
+    kube.set_status("apps/v1", "Deployment", NS, "smollm2",
+                    {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2})
+    assert rec.reconcile(ie(kube)).phase == c.PHASE_READY
+    make_ie(kube, {**SPEC, "runtime": {"maxNumSeqs": 32}})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEPLOYING and out.replicas == 2
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2")["metadata"]["generation"] == 2
+    assert cond(ie(kube), "Progressing")["reason"] == "RollingOut"
+    assert cond(ie(kube), "Available")["status"] == "True"  # the old pods keep serving

@@ -3,8 +3,10 @@ engine cache claim, a build Job, a serving Deployment, a Service and an autoscal
 
 Torch-free: shares ``kiln.common`` with the runtime, never imports ``kiln.runtime``.  Entry point:
 ``kiln.operator.main:run(argv) -> int`` (``kiln operator ...``).  Modules: ``constants``
-(names, labels), ``builders`` (pure manifest functions), ``kube`` (the API client and the one
-server-side-apply helper), ``conditions``, ``reconcile`` (level-based reconcile of one
-resource), ``autoscaler`` (builtin queue-time autoscaler), ``leader`` (Lease election),
-``controller`` (work queue, resync, autoscaler loop), ``main`` (kopf handlers and the CLI).
+(names, labels), ``spec`` (the typed ``InferenceEngineSpec``), ``builders`` (pure manifest
+functions), ``plan`` (the pure planner: observed state in, children and status out), ``kube``
+(the API client and the one server-side-apply helper), ``conditions``, ``reconcile`` (one
+reconcile: parse, observe, plan, act), ``autoscaler`` (builtin queue-time autoscaler),
+``leader`` (Lease election), ``controller`` (work queue, resync, autoscaler loop), ``main``
+(kopf handlers and the CLI).
 """
