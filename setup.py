@@ -1,5 +1,7 @@
-"""Maps the namespace package ``kiln`` onto the four source folders (common/, runtime/,
-kernels/, operator/); everything else lives in pyproject.toml."""
+"""Maps the namespace package ``kiln`` onto its source folders: the product's (common/,
+runtime/, kernels/, operator/, which the images copy) and the development control plane's
+(devcluster/, absent from the images, so their wheels leave it out); everything else lives in
+pyproject.toml."""
 
 from pathlib import Path
 
