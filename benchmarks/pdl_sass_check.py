@@ -8,7 +8,7 @@ holds when the wait comes before every global load and store.  Prints one JSON o
 ``tests/kernels/test_pdl.py`` runs it in a subprocess without ``TRITON_INTERPRET`` (the
 interpreter replaces ``triton.jit`` functions at import time).
 
-Usage: ``PYTHONPATH=kernels python3 tests/kernels/pdl_sass_check.py [kernel ...]``
+Usage: ``python3 benchmarks/pdl_sass_check.py [kernel ...]`` (with ``kiln.kernels`` importable)
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ import sys
 
 import triton.language as tl
 
-from kiln.kernels import activation, attention, cache, decode_attention, gemv, norm, rotary, w4a16, w4a16_gemvt, w4a16_swap
-from kiln.kernels.sass_count import _compile, _sass
+from kiln.kernels import activation, attention, cache, gemv, norm, rotary
+from kiln.kernels.w4a16 import dequant as w4a16_dequant
+from kiln.kernels.w4a16 import gemv as w4a16_gemv
+from kiln.kernels.w4a16 import gemv2 as w4a16_gemv2
+from kiln.kernels.w4a16 import mma as w4a16_mma
+from kiln.kernels.w4a16 import swap as w4a16_swap
+from sass_count import _compile, _sass  # benchmarks/sass_count.py (this script's folder is on sys.path)
 
 _MEM = re.compile(r"^\s*(?:/\*[0-9a-f]+\*/\s*)?(?:@!?U?P\w+\s+)?(LDG|STG|ATOMG|ATOM|RED|REDG|LDGSTS|LD|ST|UTMALDG|"
                   r"UTMASTG|UBLKCP|UBLKPF)\b")
@@ -45,62 +50,55 @@ KERNELS = {
                          {"k_scale_val": "fp32", "v_scale_val": "fp32"},
                          dict(SCALE_MODE_K=0, SCALE_MODE_V=0, FP8=False, ROUND_FP8=False, BLOCK_HQ=32, BLOCK_H=8,
                               BLOCK_HALF=64), 4, 1),
-    "decode_attention": (decode_attention._decode_cuda_core_kernel,
-                         {"part_acc_ptr": _F32, "part_m_ptr": _F32, "part_l_ptr": _F32, "block_tables_ptr": _I32,
-                          "seq_lens_ptr": _I32, "cu_ptr": _I32, "k_scale_ptr": _F32, "v_scale_ptr": _F32},
-                         {"k_scale_val": "fp32", "v_scale_val": "fp32", "sm_scale": "fp32"},
-                         dict(HEAD_DIM=128, BLOCK_SIZE=16, G=4, G_P2=4, R=1, W=4, T=2, BLOCK_D=128, NUM_SPLITS=2,
-                              PART_STRIDE=1, K_SCALE_MODE=0, V_SCALE_MODE=0, PREFETCH=1), 4, 2),
     "paged_attention": (attention._paged_attn_kernel,
                         {"part_acc_ptr": _F32, "part_m_ptr": _F32, "part_l_ptr": _F32, "block_tables_ptr": _I32,
-                         "seq_lens_ptr": _I32, "cu_ptr": _I32, "k_scale_ptr": _F32, "v_scale_ptr": _F32,
-                         "cnt_ptr": _I32},
+                         "seq_lens_ptr": _I32, "cu_ptr": _I32, "k_scale_ptr": _F32, "v_scale_ptr": _F32},
                         {"k_scale_val": "fp32", "v_scale_val": "fp32", "sm_scale": "fp32"},
                         dict(HEAD_DIM=128, BLOCK_SIZE=16, G=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
                              NUM_SPLITS=1, IS_DECODE=False, PART_STRIDE=1, K_SCALE_MODE=0, V_SCALE_MODE=0,
-                             DOT_PREC="tf32", F16_DOT=False, WORDS=0, CVT_PTX=0), 4, 2),
-    "paged_attention_fused_merge": (attention._paged_attn_kernel,
-                                    {"part_acc_ptr": _F32, "part_m_ptr": _F32, "part_l_ptr": _F32,
-                                     "block_tables_ptr": _I32, "seq_lens_ptr": _I32, "cu_ptr": _I32,
-                                     "k_scale_ptr": _F32, "v_scale_ptr": _F32, "cnt_ptr": _I32},
+                             DOT_PREC="tf32", F16_DOT=False, V_WORDS=False, CVT_PTX=0), 4, 2),
+    "paged_attention_decode": (attention._paged_attn_kernel,
+                               {"part_acc_ptr": _F32, "part_m_ptr": _F32, "part_l_ptr": _F32,
+                                "block_tables_ptr": _I32, "seq_lens_ptr": _I32, "cu_ptr": _I32,
+                                "k_scale_ptr": _F32, "v_scale_ptr": _F32},
+                               {"k_scale_val": "fp32", "v_scale_val": "fp32", "sm_scale": "fp32"},
+                               dict(HEAD_DIM=128, BLOCK_SIZE=16, G=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
+                                    BLOCK_D=128, NUM_SPLITS=8, IS_DECODE=True, PART_STRIDE=132, K_SCALE_MODE=0,
+                                    V_SCALE_MODE=0, DOT_PREC="tf32", F16_DOT=False, V_WORDS=False, CVT_PTX=0), 4, 2),
+    "paged_attention_fp8_v_words": (attention._paged_attn_kernel,
+                                    {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+                                     "q_ptr": "*bf16", "part_acc_ptr": _F32, "part_m_ptr": _F32,
+                                     "part_l_ptr": _F32, "block_tables_ptr": _I32, "seq_lens_ptr": _I32,
+                                     "cu_ptr": _I32, "k_scale_ptr": _F32, "v_scale_ptr": _F32},
                                     {"k_scale_val": "fp32", "v_scale_val": "fp32", "sm_scale": "fp32"},
-                                    dict(HEAD_DIM=128, BLOCK_SIZE=16, G=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
-                                         BLOCK_D=128, NUM_SPLITS=8, IS_DECODE=True, PART_STRIDE=132, K_SCALE_MODE=0,
-                                         V_SCALE_MODE=0, DOT_PREC="tf32", F16_DOT=False, WORDS=0, CVT_PTX=0,
-                                         FUSED_MERGE=True, SPLITS_P2=8), 4, 2),
+                                    dict(HEAD_DIM=128, BLOCK_SIZE=16, G=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=128,
+                                         BLOCK_D=128, NUM_SPLITS=1, IS_DECODE=True, PART_STRIDE=132,
+                                         K_SCALE_MODE=2, V_SCALE_MODE=2, DOT_PREC="tf32", F16_DOT=True,
+                                         V_WORDS=True, CVT_PTX=1), 4, 2),
     "merge_splits": (attention._merge_splits_kernel, {"part_acc_ptr": _F32, "part_m_ptr": _F32, "part_l_ptr": _F32},
                      {}, dict(NUM_SPLITS=4, SPLITS_P2=4, BLOCK_D=128, PART_STRIDE=1), 1, 1),
     "gemv": (gemv._gemv_kernel, {"part_ptr": _F32, "cnt_ptr": _I32}, {},
              dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, HAS_SPLIT=True, NUM_STAGES=1), 4, 1),
-    "w4a16_gemv2": (w4a16._gemv2_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
+    "w4a16_gemv2": (w4a16_gemv2._gemv2_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
                                           "cnt_ptr": _I32}, {},
                     dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, CHAIN=8, HAS_SPLIT=True, NUM_STAGES=2,
                          X_BF16=False, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True, PREFETCH=0), 4, 2),
-    "w4a16_gemv2_prefetch": (w4a16._gemv2_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
+    "w4a16_gemv2_prefetch": (w4a16_gemv2._gemv2_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
                                                    "cnt_ptr": _I32}, {},
                              dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=32, BLOCK_K=2048, CHAIN=8, HAS_SPLIT=False,
                                   NUM_STAGES=1, X_BF16=True, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True,
                                   PREFETCH=1), 4, 1),
-    # EARLY: the first weight step is loaded before the wait (``w4a16.early_fetch``): only
-    # loads may come before it (the test checks that they are there and that no store does)
-    "w4a16_gemv2_early": (w4a16._gemv2_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
-                                                "cnt_ptr": _I32}, {},
-                          dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=32, BLOCK_K=2048, CHAIN=8, HAS_SPLIT=True,
-                               NUM_STAGES=1, X_BF16=True, ASM=True, EVEN_K=True, EVEN_N=True, EVEN_M=True,
-                               PREFETCH=1, EARLY=True), 4, 1),
-    "w4a16_gemvt": (w4a16_gemvt._gemvt_kernel, {"xw_ptr": "*i64", "qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32,
-                                                "cnt_ptr": _I32}, {},
-                    dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=16, BLOCK_K=2048, HAS_SPLIT=True, X_BF16=True, ASM=True,
-                         EVEN_K=True, EVEN_M=True), 2, 1),
     "w4a16_swap": (w4a16_swap._swap_kernel, {"qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32, "cnt_ptr": _I32}, {},
                    dict(GROUP_SIZE=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, HAS_SPLIT=True, NUM_STAGES=3, ASM=True,
                         X_F16=True, EVEN_N=True, PREFETCH=1), 4, 3),
-    "w4a16_mma": (w4a16._mma_kernel, {"qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32, "cnt_ptr": _I32}, {},
+    "w4a16_mma": (w4a16_mma._mma_kernel, {"qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32, "cnt_ptr": _I32}, {},
                   dict(GROUP_SIZE=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, HAS_SPLIT=True, NUM_STAGES=2, ASM=True,
                        DOT_DTYPE=tl.float16, DOT_PREC="tf32"), 4, 2),
-    "w4a16_gemv": (w4a16._gemv_kernel, {"qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32, "cnt_ptr": _I32}, {},
+    "w4a16_gemv": (w4a16_gemv._gemv_kernel, {"qw_ptr": _I32, "z_ptr": "*u8", "part_ptr": _F32, "cnt_ptr": _I32}, {},
                    dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, HAS_SPLIT=True, NUM_STAGES=2, ASM=True),
                    4, 2),
+    "w4a16_dequant": (w4a16_dequant._dequant_kernel, {"qw_ptr": _I32, "z_ptr": "*u8"}, {},
+                      dict(GROUP_SIZE=128, BLOCK_N=32, BLOCK_K=256), 8, 1),
 }
 
 

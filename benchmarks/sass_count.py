@@ -1,13 +1,12 @@
-"""Count SASS instructions in the inner loop of the decode attention kernels, offline (no GPU).
+"""Count SASS instructions in the inner loop of the decode attention kernel, offline (no GPU).
 
 Usage (from the repository root; needs only Triton's bundled ptxas/nvdisasm)::
 
-    PYTHONPATH=kernels python3 -m kiln.kernels.sass_count [--cache fp8|bf16] [--G 4] [--D 128]
-        [--block-n 64] [--num-warps 4] [--num-stages 2] [--splits 2] [--fused-merge] [--dump DIR]
-    PYTHONPATH=kernels python3 -m kiln.kernels.sass_count --gemv2 32,2048,4,1   # W4A16 gemv2 instead
+    python3 benchmarks/sass_count.py [--cache fp8|bf16] [--G 4] [--D 128] [--num-warps 4]
+        [--mma-block-n 128] [--mma-stages 3] [--splits 2] [--fp8-v-words] [--dump DIR]
+    python3 benchmarks/sass_count.py --gemv2 32,2048,4,1   # W4A16 gemv2 instead
 
-Compiles ``decode_attention._decode_cuda_core_kernel`` (``cuda_core``) and
-``attention._paged_attn_kernel`` in decode mode (``mma``) for sm_90 with the launch
+Compiles ``attention._paged_attn_kernel`` in decode mode (``mma``) for sm_90 with the launch
 parameters given, disassembles the cubin with ``nvdisasm`` and reports, for the largest
 loop (the steady-state tile loop: the block whose last instruction branches backwards to
 its first), the instructions per iteration, per (token, KV head) (divided by BLOCK_N and
@@ -31,7 +30,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from kiln.kernels.attention import _paged_attn_kernel
-from kiln.kernels.decode_attention import _decode_cuda_core_kernel, decode_layout
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _TARGET = GPUTarget("cuda", 90, 32)
@@ -104,41 +102,24 @@ def _common_types(cache: str, qdtype: str) -> dict:
             "cnt_ptr": "*i32"}
 
 
-def count_cuda_core(cache="fp8", G=4, D=128, block_n=64, num_warps=4, num_stages=2, splits=2, block_size=16,
-                    dump=None, prefetch=1) -> dict:
-    import torch
-
-    dt = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}[cache]
-    R, W, T = decode_layout(dt, D, block_n, num_warps)
-    scale_mode = 1 if cache == "fp8" else 0
-    k = _compile(_decode_cuda_core_kernel, _common_types(cache, "bf16"),
-                 dict(HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, G_P2=triton.next_power_of_2(G), R=R, W=W, T=T,
-                      BLOCK_D=D, NUM_SPLITS=splits, PART_STRIDE=D + 4, K_SCALE_MODE=scale_mode,
-                      V_SCALE_MODE=scale_mode, PREFETCH=prefetch), num_warps, num_stages)
-    return _report("cuda_core", k, R * W * T, W,
-                   dict(cache=cache, G=G, D=D, R=R, W=W, T=T, num_stages=num_stages, prefetch=prefetch), dump)
-
-
 def count_mma(cache="fp8", G=4, D=128, block_n=128, num_warps=4, num_stages=3, splits=2, block_size=16,
-              dump=None, fp8_words=0, fused_merge=False) -> dict:
+              dump=None, fp8_v_words=False) -> dict:
     scale_mode = 1 if cache == "fp8" else 0
     k = _compile(_paged_attn_kernel, _common_types(cache, "bf16"),
                  dict(HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=1, BLOCK_M=max(16, triton.next_power_of_2(G)),
                       BLOCK_N=block_n, BLOCK_D=D, NUM_SPLITS=splits, IS_DECODE=True, PART_STRIDE=D + 4,
                       K_SCALE_MODE=scale_mode, V_SCALE_MODE=scale_mode, DOT_PREC="tf32",
-                      F16_DOT=cache == "fp8", WORDS=fp8_words if cache == "fp8" else 0,
-                      CVT_PTX=bool(fp8_words) and cache == "fp8", FUSED_MERGE=fused_merge,
-                      SPLITS_P2=triton.next_power_of_2(splits)), num_warps, num_stages)
+                      F16_DOT=cache == "fp8", V_WORDS=fp8_v_words and cache == "fp8",
+                      CVT_PTX=fp8_v_words and cache == "fp8"), num_warps, num_stages)
     return _report("mma", k, block_n, num_warps,
-                   dict(cache=cache, G=G, D=D, num_stages=num_stages, fp8_words=fp8_words, splits=splits,
-                        fused_merge=fused_merge), dump)
+                   dict(cache=cache, G=G, D=D, num_stages=num_stages, fp8_v_words=fp8_v_words, splits=splits), dump)
 
 
 def count_gemv2(block_n=32, block_k=2048, num_warps=4, prefetch=1, group_size=128, block_m=1, split=False) -> dict:
     """SASS of ``w4a16._gemv2_kernel`` (bf16 x, unit column strides as launched): registers,
     global load widths in the whole kernel, and the steady-state loop's instructions per step
     and per weight and thread (``BLOCK_N * BLOCK_K / (32 num_warps)`` weights per thread)."""
-    from kiln.kernels.w4a16 import _gemv2_kernel
+    from kiln.kernels.w4a16.gemv2 import _gemv2_kernel
 
     types = {a: "*bf16" for a in _gemv2_kernel.arg_names if a.endswith("_ptr")}
     types.update({"xw_ptr": "*i64", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "part_ptr": "*fp32",
@@ -178,17 +159,13 @@ def main(argv=None):
     ap.add_argument("--cache", default="fp8", choices=["fp8", "bf16", "fp16"])
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--dump", default=None, help="write the SASS and TTGIR here")
-    ap.add_argument("--prefetch", type=int, default=1, help="cuda_core PREFETCH (0, 1, 2)")
-    ap.add_argument("--no-mma", action="store_true")
     ap.add_argument("--mma-block-n", type=int, default=128, help="BLOCK_N of the mma kernel")
     ap.add_argument("--mma-stages", type=int, default=3, help="num_stages of the mma kernel")
-    ap.add_argument("--fp8-words", type=int, default=0, help="mma kernel, fp8: fp8_words (0-3; 2 = V as int32 words)")
+    ap.add_argument("--fp8-v-words", action="store_true", help="fp8 cache: V read as int32 words")
     ap.add_argument("--splits", type=int, default=2, help="decode context splits (NUM_SPLITS)")
-    ap.add_argument("--fused-merge", action="store_true", help="mma kernel: splits merged in the same launch")
     ap.add_argument("--gemv2", default=None, metavar="BN,BK,WARPS,PREFETCH",
                     help="instead: the W4A16 gemv2 kernel at this config (e.g. 32,2048,4,1, the qkv M = 1 TUNED one)")
     a = ap.parse_args(argv)
@@ -199,11 +176,8 @@ def main(argv=None):
             ap.error(f"--gemv2 wants four integers BN,BK,WARPS,PREFETCH, got {a.gemv2!r}")
         print(json.dumps(count_gemv2(bn, bk, w, pf)))
         return
-    rows = [count_cuda_core(a.cache, a.G, a.D, a.block_n, a.num_warps, a.num_stages, a.splits, dump=a.dump,
-                            prefetch=a.prefetch)]
-    if not a.no_mma:
-        rows.append(count_mma(a.cache, a.G, a.D, a.mma_block_n, a.num_warps, a.mma_stages, a.splits, dump=a.dump,
-                              fp8_words=a.fp8_words, fused_merge=a.fused_merge))
+    rows = [count_mma(a.cache, a.G, a.D, a.mma_block_n, a.num_warps, a.mma_stages, a.splits, dump=a.dump,
+                      fp8_v_words=a.fp8_v_words)]
     for r in rows:
         print(f"{r['kernel']:9s} {r['cache']} G{r['G']} D{r['D']} BLOCK_N={r['BLOCK_N']} warps={r['num_warps']} "
               f"stages={r['num_stages']}: {r['loop_instrs_per_warp']} instrs/iteration/warp -> "

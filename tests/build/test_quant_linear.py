@@ -69,63 +69,6 @@ def test_gpu_kernel_matches_cpu_path(method):
     assert rel(y_gpu.cpu(), y_cpu) < 2e-2
 
 
-def test_int4_kmajor_layout(monkeypatch, tmp_path):
-    """``KILN_W4A16_LAYOUT``: N-major by default, ``kmajor`` accepted, anything else a clear
-    ValueError; ``to_kmajor_`` stores a layer's packed buffers K-major in place (same values and
-    shapes, once), the layer computes the same output from them and saves (``.contiguous()``, as
-    the engine writer does) to the same bytes as before."""
-    from safetensors.torch import load_file, save_file
-
-    from kiln.kernels.w4a16 import is_kmajor
-
-    monkeypatch.delenv("KILN_W4A16_LAYOUT", raising=False)
-    assert int4.cuda_layout() == "nmajor"
-    monkeypatch.setenv("KILN_W4A16_LAYOUT", "KMajor")
-    assert int4.cuda_layout() == "kmajor"
-    monkeypatch.setenv("KILN_W4A16_LAYOUT", "rowmajor")
-    with pytest.raises(ValueError, match="KILN_W4A16_LAYOUT must be kmajor or nmajor, got 'rowmajor'"):
-        int4.cuda_layout()
-    with pytest.raises(ValueError, match="KILN_W4A16_LAYOUT"):  # reported when a layer gets its method
-        make_linear("int4", N=64, K=256, G=64)
-    from kiln.kernels import w4a16
-
-    for bad in ("abc", "0", "-3"):
-        monkeypatch.setenv("KILN_W4A16_DEQUANT_MIN_M", bad)
-        with pytest.raises(ValueError, match="KILN_W4A16_DEQUANT_MIN_M must be an integer >= 1"):
-            w4a16._env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65)
-    monkeypatch.setenv("KILN_W4A16_DEQUANT_MIN_M", " 128 ")
-    assert w4a16._env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65) == 128
-    monkeypatch.delenv("KILN_W4A16_DEQUANT_MIN_M")
-    assert w4a16._env_min_m("KILN_W4A16_DEQUANT_MIN_M", 65) == 65
-    monkeypatch.setenv("KILN_W4A16_LAYOUT", "KMajor")
-    lin, w = make_linear("int4", N=64, K=256, G=64)
-    before = {k: v.clone() for k, v in lin.state_dict().items()}
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
-    y = lin(x)
-    assert int4.to_kmajor_(lin) and not int4.to_kmajor_(lin)
-    assert is_kmajor(lin.qweight) and lin.scales.stride() == (1, 4) and lin.qzeros.stride() == (1, 4)
-    after = lin.state_dict()
-    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
-    assert torch.equal(lin(x), y)
-    save_file({k: v.contiguous() for k, v in after.items()}, str(tmp_path / "a.safetensors"))
-    save_file({k: v.contiguous() for k, v in before.items()}, str(tmp_path / "b.safetensors"))
-    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
-    assert all(torch.equal(load_file(str(tmp_path / "a.safetensors"))[k], before[k]) for k in before)
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_int4_kmajor_serving_on_gpu(monkeypatch):
-    """With ``KILN_W4A16_LAYOUT=kmajor`` the first CUDA call stores the layer K-major and the
-    output stays that of the N-major layout."""
-    lin, w = make_linear("int4", N=512, K=1024)
-    lin = lin.to("cuda")
-    x = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
-    y = lin(x)
-    monkeypatch.setenv("KILN_W4A16_LAYOUT", "kmajor")
-    y2 = lin(x)
-    assert lin.qweight.stride(0) == 1 and rel(y2, y) < 5e-3
-
-
 def test_gptq_beats_round_to_nearest():
     """On correlated inputs GPTQ's output error is below plain rounding's (same format)."""
     g = torch.Generator().manual_seed(0)

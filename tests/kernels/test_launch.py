@@ -30,3 +30,19 @@ def test_small_batches_split_the_context():
     assert decode_num_splits(64, 8, CPU) == 2  # B64 ctx4096: 1 split 71%, 2 splits 96-99.9% of copy BW
     assert decode_num_splits(1, 8, CPU) == tuning.DECODE_SPLIT["max_splits"]
     assert decode_num_splits(1, 8, CPU, max_context=256) == 2  # no split under 128 tokens
+
+
+def test_kernel_options_are_checked_and_typed():
+    """``KernelOptions``: booleans and a dequantization threshold >= 1, refused otherwise (the
+    engine builds them once from ``EngineArgs``)."""
+    import pytest
+
+    from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+
+    assert DEFAULT_OPTIONS == KernelOptions(pdl=True, fused_rope_kv=True, w4a16_dequant_min_m=65)
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="w4a16_dequant_min_m must be an integer >= 1"):
+            KernelOptions(w4a16_dequant_min_m=bad)
+    with pytest.raises(ValueError, match="pdl must be a bool"):
+        KernelOptions(pdl="0")
+    assert KernelOptions(w4a16_dequant_min_m=128).w4a16_dequant_min_m == 128

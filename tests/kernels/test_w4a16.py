@@ -13,7 +13,14 @@ from kernels_testutil import DEVICE, HAS_CUDA, rel_err
 
 import numpy as np
 
-from kiln.kernels.w4a16 import choose_config, dequantize_ref, is_kmajor, to_kmajor, w4a16_gemm, w4a16_ref
+from kiln.kernels.activation import silu_and_mul
+from kiln.kernels.w4a16 import choose_config, dequantize_ref, w4a16_gemm, w4a16_ref
+
+
+def to_kmajor(t: torch.Tensor) -> torch.Tensor:
+    """The same ``[R, N]`` values stored column by column (strides ``(1, R)``): every kernel
+    reads the packed tensors through their strides."""
+    return t.t().contiguous().t()
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -78,7 +85,7 @@ def test_gemv2_fused_silu_and_mul(monkeypatch, M, I, K, G, bn, prefetch, dtype):
     """``silu_and_mul=True`` on a gate|up weight [2I, K]: the gemv2 epilogue (no K split) gives
     silu(gate) * up of the reference (I not a multiple of the half tile: masked columns), and
     equals the unfused path (GEMM, then ``activation.silu_and_mul``) up to one rounding; a K split
-    or ``KILN_W4A16_FUSED_SILU=0`` takes the unfused path."""
+    takes the unfused path."""
     qw, s, z = make_weight(2 * I, K, G, seed=5)
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     cfg = {"KERNEL": "gemv2", "BLOCK_M": min(4, 1 << (M - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": 128,
@@ -87,17 +94,12 @@ def test_gemv2_fused_silu_and_mul(monkeypatch, M, I, K, G, bn, prefetch, dtype):
     fused = w4a16_gemm(x, qw, s, z, config=cfg, silu_and_mul=True)
     assert fused.shape == (M, I) and fused.dtype == dtype
     assert rel_err(fused, ref) < (3e-3 if dtype == torch.float16 else 1e-2)
-    monkeypatch.setenv("KILN_W4A16_FUSED_SILU", "0")
-    unfused = w4a16_gemm(x, qw, s, z, config=cfg, silu_and_mul=True)
+    unfused = silu_and_mul(w4a16_gemm(x, qw, s, z, config=cfg))
     assert rel_err(unfused, ref) < 1e-2 and rel_err(fused, unfused) < 1e-2
-    monkeypatch.delenv("KILN_W4A16_FUSED_SILU")
     split = w4a16_gemm(x, qw, s, z, config=dict(cfg, SPLIT_K=2), silu_and_mul=True)
     assert rel_err(split, ref) < 1e-2
     with pytest.raises(ValueError, match="even N"):
         w4a16_gemm(x, qw[:, :-1], s[:, :-1], z[:, :-1], config=cfg, silu_and_mul=True)
-    monkeypatch.setenv("KILN_W4A16_FUSED_SILU", "yes")
-    with pytest.raises(ValueError, match="KILN_W4A16_FUSED_SILU"):
-        w4a16_gemm(x, qw, s, z, config=cfg, silu_and_mul=True)
 
 
 @pytest.mark.gpu
@@ -135,7 +137,7 @@ def test_f16x2_magic_numbers():
     0x000F000F / 0x00F000F0 and 0x64006400 gives (1024 + q, ...) / (1024 + 16 q, ...); one FMA
     with 1/16 (1/256) and the zero-point word gives (q - z) / 16 exactly; nibbles t, t + 4 share
     a word (low, high lane)."""
-    from kiln.kernels import w4a16 as W
+    from kiln.kernels.w4a16 import jit as W
 
     rng = np.random.default_rng(0)
     p = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
@@ -204,7 +206,7 @@ def test_gemv2_strided_x_and_choice():
     assert choose_config(1, N, K, 16, dev, torch.float16)["KERNEL"] == "gemv"
     assert choose_config(4, N, K, G, dev, torch.float16, kernel="gemv2")["BLOCK_M"] == 4
     assert choose_config(2, N, K, G, dev, torch.float16, kernel="gemv")["KERNEL"] == "gemv"
-    with pytest.raises(ValueError, match="gemv, gemv2 or gemvt"):
+    with pytest.raises(ValueError, match="gemv or gemv2"):
         choose_config(2, N, K, G, dev, torch.float16, kernel="gemm")
     with pytest.raises(ValueError, match="gemv2"):
         w4a16_gemm(x, *make_weight(N, K, 16, seed=3), config=cfg)
@@ -353,63 +355,14 @@ def test_swap_kernel_refuses_what_it_cannot_do():
         w4a16_gemm(torch.randn(2, 256, device=DEVICE).half(), qw, s, z, config=dict(cfg, KERNEL="swapp"))
 
 
-@pytest.mark.parametrize("dtype,M,N,K,G,bn,bk,split", [
-    (torch.bfloat16, 1, 40, 256, 128, 4, 128, 1),  # N not a multiple of BLOCK_N (clamped rows)
-    (torch.float16, 3, 37, 384, 32, 8, 256, 2),    # G = 32: a word's two lanes in different groups; masked x row
-    (torch.bfloat16, 2, 64, 512, 64, 8, 256, 2),   # split-K
-    (torch.float16, 4, 16, 640, 128, 4, 256, 3),   # K not a multiple of BLOCK_K (masked blocks), 3 splits
-])
-def test_gemvt_matches_reference(dtype, M, N, K, G, bn, bk, split):
-    """The K-major GEMV (``w4a16_gemvt``) on weights stored K-major: against the float32
-    reference (a wrong word order within the 16-byte load, a wrong x pair or a missing zero point
-    gives an error of order 1), the same bits again (split counters back at zero), and the same
-    bits from the N-major tensor through the same kernel (it reads through the strides)."""
-    qw, s, z = make_weight(N, K, G, seed=M + K)
-    qk, sk, zk = to_kmajor(qw), to_kmajor(s), to_kmajor(z)
-    assert is_kmajor(qk) and not is_kmajor(qw) and torch.equal(qk, qw) and torch.equal(sk, s)
-    x = torch.randn(M, K, device=DEVICE).to(dtype)
-    cfg = {"KERNEL": "gemvt", "BLOCK_M": min(4, 1 << (M - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": bk,
-           "SPLIT_K": split, "num_warps": 1, "num_stages": 1}
-    ref = x.float() @ dequantize_ref(qw, s, z).t()
-    out = w4a16_gemm(x, qk, sk, zk, config=cfg)
-    assert out.dtype == dtype and out.shape == (M, N)
-    assert rel_err(out, ref) < GEMV2_TOL[dtype]
-    assert torch.equal(out, w4a16_gemm(x, qk, sk, zk, config=cfg))
-    assert torch.equal(out, w4a16_gemm(x, qw, s, z, config=cfg))
-
-
-def test_kmajor_choice_and_refusals():
-    """``w4a16_gemm`` picks the K-major tables and ``gemvt`` for K-major weights at M <= 4 with
-    float16/bfloat16 x and groups of 32k (float32 x falls back to ``gemv``); ``gemvt`` refuses
-    groups it cannot split by lane and more than four rows per program."""
-    dev = torch.device("cpu")
-    assert choose_config(1, 64, 256, 64, dev, torch.bfloat16, kmajor=True)["KERNEL"] == "gemvt"
-    assert choose_config(4, 64, 256, 128, dev, torch.float16, kmajor=True)["KERNEL"] == "gemvt"
-    assert choose_config(1, 64, 256, 64, dev, torch.float32, kmajor=True)["KERNEL"] == "gemv"
-    assert choose_config(1, 64, 256, 64, dev, torch.bfloat16)["KERNEL"] == "gemv2"
-    assert choose_config(8, 64, 256, 64, dev, torch.float16, kmajor=True)["KERNEL"] == "mma"
-    assert choose_config(1, 64, 256, 64, dev, torch.float16, kernel="gemvt")["KERNEL"] == "gemvt"
-    with pytest.raises(ValueError, match="gemv, gemv2 or gemvt"):
-        choose_config(1, 64, 256, 64, dev, torch.float16, kernel="gemvx")
-    qw, s, z = make_weight(32, 256, 64)
-    x = torch.randn(2, 256, device=DEVICE).half()
-    cfg = {"KERNEL": "gemvt", "BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1,
-           "num_stages": 1}
-    with pytest.raises(ValueError, match="gemvt kernel needs G % 32 == 0 and BLOCK_M <= 4"):
-        w4a16_gemm(x, to_kmajor(qw), to_kmajor(s), to_kmajor(z), config=cfg)
-    qw, s, z = make_weight(32, 256, 8)
-    with pytest.raises(ValueError, match="gemvt kernel needs G % 32 == 0"):
-        w4a16_gemm(x, qw, s, z, config=dict(cfg, BLOCK_M=2))
-
-
 @pytest.mark.parametrize("N,K,G,bn,bk", [(40, 256, 32, 16, 128), (64, 640, 128, 32, 512), (24, 384, 64, 64, 256)])
 def test_dequantize_kernel_and_large_m_path(N, K, G, bn, bk):
-    """``w4a16_dequant.dequantize`` equals the torch reference bit for bit in float32 (one
+    """``w4a16.dequant.dequantize`` equals the torch reference bit for bit in float32 (one
     rounding, ``(q - z) * s``) with ragged N and K tiles, on N- and K-major buffers; the
     ``dequant`` kernel config (what ``choose_config`` picks on CUDA from ``DEQUANT_MIN_M``) is
     the reference GEMM; smaller M keeps the fused kernels."""
     from kiln.kernels import w4a16
-    from kiln.kernels.w4a16_dequant import dequantize
+    from kiln.kernels.w4a16.dequant import dequantize
 
     qw, s, z = make_weight(N, K, G, seed=N)
     ref = dequantize_ref(qw, s, z)
@@ -427,20 +380,6 @@ def test_dequantize_kernel_and_large_m_path(N, K, G, bn, bk):
     assert choose_config(4096, 4096, 4096, 128, torch.device("cpu"), torch.bfloat16)["KERNEL"] == "mma"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("G", [32, 128])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
-@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_tuned_kmajor_configs(M, N, K, G):
-    """What the runtime launches on K-major weights (``TUNED_KMAJOR``, measured at group 128,
-    else the defaults) is right at the Llama-3.1-8B shapes and at group 32."""
-    qw, s, z = make_weight(N, K, G)
-    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-    out = w4a16_gemm(x, to_kmajor(qw), to_kmajor(s), to_kmajor(z))
-    assert rel_err(out, w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.bfloat16]
-
-
 @pytest.mark.parametrize("kernel", ["gemv", "gemv2", "mma", "swap"])
 def test_k_major_packed_words(kernel):
     """Every kernel reads the packed words through their strides: a K-major copy (``qweight`` a
@@ -454,7 +393,7 @@ def test_k_major_packed_words(kernel):
     cfg = {"KERNEL": kernel, "BLOCK_M": bm, "BLOCK_N": 16, "BLOCK_K": 64 if kernel == "swap" else 128,
            "SPLIT_K": 2, "num_warps": 1, "num_stages": 1, "CHAIN": 8, "PREFETCH": 1}
     assert torch.equal(w4a16_gemm(x, qk, s, z, config=cfg), w4a16_gemm(x, qw, s, z, config=cfg))
-    # scales and zero points K-major too (``to_kmajor``, what serving stores with KILN_W4A16_LAYOUT=kmajor)
+    # scales and zero points K-major too
     assert torch.equal(w4a16_gemm(x, qk, to_kmajor(s), to_kmajor(z), config=cfg),
                        w4a16_gemm(x, qw, s, z, config=cfg))
     assert rel_err(w4a16_gemm(x, qk, s, z, config=cfg), w4a16_ref(x, qw, s, z)) < GEMV2_TOL[torch.float16]

@@ -7,8 +7,14 @@ import time
 
 import torch
 
-from kiln.runtime.attention import AttentionMetadata, torch_backend
+from kiln.kernels.reference import paged_attention_ref
+from kiln.runtime.attention import AttentionMetadata
 from kiln.runtime.attention.backend import paged_attention
+
+
+def _full(q, k_cache, v_cache, meta, scale):
+    """The torch reference over the whole (dequantized) pool."""
+    return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
 
 
 def _meta(seq_lens, q_lens, table, block_size):
@@ -41,7 +47,7 @@ def test_fp8_cache_reads_only_the_used_blocks():
     t0 = time.perf_counter()
     out = paged_attention(q, k_cache, v_cache, meta, D ** -0.5, k_scale, v_scale, use_kernels=False)
     compact_s = time.perf_counter() - t0
-    full = torch_backend.paged_attention(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale, meta,
+    full = _full(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale, meta,
                                          D ** -0.5)
     assert torch.equal(out, full)
     assert meta.block_tables is table and int(table[0, 0]) == int(perm[0])  # the caller's metadata is untouched
@@ -80,7 +86,7 @@ def test_compact_blocks_computed_once_per_metadata(monkeypatch):
     q = torch.randn(sum(q_lens), Hq, D, generator=g)
     for k_cache, v_cache in caches:  # one forward: every layer gets the same metadata
         out = paged_attention(q, k_cache, v_cache, meta, D ** -0.5, k_scale, v_scale, use_kernels=False)
-        full = torch_backend.paged_attention(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale,
+        full = _full(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale,
                                              meta, D ** -0.5)
         assert torch.equal(out, full)
     assert len(calls) == 1 and calls[0] is meta
@@ -102,6 +108,6 @@ def test_compact_blocks_computed_once_per_metadata(monkeypatch):
     meta.block_tables = table2
     out = paged_attention(q, *caches[1], meta, D ** -0.5, k_scale, v_scale, use_kernels=False)
     assert len(calls) == 3
-    full = torch_backend.paged_attention(q, caches[1][0].to(q.dtype) * k_scale, caches[1][1].to(q.dtype) * v_scale,
+    full = _full(q, caches[1][0].to(q.dtype) * k_scale, caches[1][1].to(q.dtype) * v_scale,
                                          meta, D ** -0.5)
     assert torch.equal(out, full)

@@ -39,13 +39,13 @@ def test_no_triton_compile_while_serving(tmp_path, monkeypatch, method):
     from kiln.runtime.model_runner import ModelRunner
 
     if method == "int4":
-        from kiln.runtime.quantization.gpu_bench import _quantize_dummy
+        from kiln.runtime.quantization.rtn import quantize_model_rtn
 
         orig = ModelRunner.init_dummy_weights
 
         def init(self, *a, **k):
             orig(self, *a, **k)
-            _quantize_dummy(self.model, "int4")
+            quantize_model_rtn(self.model, "int4")
 
         monkeypatch.setattr(ModelRunner, "init_dummy_weights", init)
     llm = LLM(model=str(_tiny(tmp_path)), load_format="dummy", max_num_seqs=8, num_kv_blocks=256,

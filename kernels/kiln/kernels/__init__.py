@@ -13,49 +13,53 @@ kernel                      module                         reference
 ``fused_add_rms_norm``      ``norm``                       ``fused_add_rms_norm_ref``
 ``rotary_embedding``        ``rotary``                     ``rotary_embedding_ref``
 ``silu_and_mul``            ``activation``                 ``silu_and_mul_ref``
+``gemv``                    ``gemv``                       ``gemv_ref``
+``w4a16_gemm``              ``w4a16``                      ``w4a16_ref``
+``per_token_quant_fp8``     ``fp8_quant``                  ``per_token_quant_fp8_ref``
 ==========================  =============================  ===============================
 
-``build_cos_sin_cache`` (reference module) builds the rotary table both use.  Importing
-this package needs no GPU.  It never imports ``kiln.runtime``.
+``build_cos_sin_cache`` (reference module) builds the rotary table both use; the int4
+packed weight format is ``int4_format``; launch choices are ``options.KernelOptions``
+(per engine) and ``tuning`` (per device).  Importing this package imports neither Triton
+nor a kernel: the names above are loaded on first use, so ``kiln.kernels.reference``,
+``options`` and ``int4_format`` work where Triton is not installed.  It never imports
+``kiln.runtime``.
 """
 
-import os as _os
+from __future__ import annotations
 
-if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # NumPy >= 2.4 vs Triton 3.6's interpreter
-    from kiln.kernels.interp_compat import apply as _apply_interp_fix
+import importlib
 
-    _apply_interp_fix()
+_LAZY = {
+    "FP8_E4M3_MAX": "reference",
+    "build_cos_sin_cache": "reference",
+    "fused_add_rms_norm_ref": "reference",
+    "paged_attention_ref": "reference",
+    "reshape_and_cache_ref": "reference",
+    "rms_norm_ref": "reference",
+    "rotary_embedding_ref": "reference",
+    "silu_and_mul_ref": "reference",
+    "silu_and_mul": "activation",
+    "paged_attention": "attention",
+    "reshape_and_cache": "cache",
+    "rotary_and_cache": "cache",
+    "fused_add_rms_norm": "norm",
+    "rms_norm": "norm",
+    "rotary_embedding": "rotary",
+}
 
-from kiln.kernels.reference import (  # noqa: F401,E402
-    FP8_E4M3_MAX,
-    build_cos_sin_cache,
-    fused_add_rms_norm_ref,
-    paged_attention_ref,
-    reshape_and_cache_ref,
-    rms_norm_ref,
-    rotary_embedding_ref,
-    silu_and_mul_ref,
-)
-from kiln.kernels.activation import silu_and_mul  # noqa: F401
-from kiln.kernels.attention import paged_attention  # noqa: F401
-from kiln.kernels.cache import reshape_and_cache, rotary_and_cache  # noqa: F401
-from kiln.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: F401
-from kiln.kernels.rotary import rotary_embedding  # noqa: F401
+__all__ = sorted(_LAZY)
 
-__all__ = [
-    "FP8_E4M3_MAX",
-    "build_cos_sin_cache",
-    "fused_add_rms_norm",
-    "fused_add_rms_norm_ref",
-    "paged_attention",
-    "paged_attention_ref",
-    "reshape_and_cache",
-    "reshape_and_cache_ref",
-    "rms_norm",
-    "rms_norm_ref",
-    "rotary_and_cache",
-    "rotary_embedding",
-    "rotary_embedding_ref",
-    "silu_and_mul",
-    "silu_and_mul_ref",
-]
+
+def __getattr__(name: str):
+    """Load ``name`` from its module on first access (PEP 562) and keep it here."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kiln.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kiln.kernels.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kiln.kernels import tuning
 from kiln.kernels.launch import check, check_last_dim_contiguous, interpreting
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["silu_and_mul"]
@@ -31,12 +32,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]``.
 
     Args:
         x: ``[T, 2I]`` float16/bfloat16/float32, last dim contiguous.
         out: optional ``[T, I]`` destination in x's dtype, last dim contiguous.
+        options: the engine's kernel options (programmatic dependent launch).
     Returns:
         ``[T, I]`` in x's dtype.
     Raises:
@@ -53,11 +56,13 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     check_last_dim_contiguous("out", out)
     if T == 0 or inter == 0:
         return out
-    block = 128 if interpreting() else tuning.ELEMENTWISE["BLOCK"]
+    elementwise = tuning.table(x.device).elementwise
+    block = 128 if interpreting() else elementwise["BLOCK"]
     block = min(block, triton.next_power_of_2(inter))
     grid = (T, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, num_warps=1 if interpreting() else tuning.ELEMENTWISE["num_warps"], **launch_kwargs(x.device),
+        BLOCK=block, num_warps=1 if interpreting() else elementwise["num_warps"],
+        **launch_kwargs(x.device, options),
     )
     return out

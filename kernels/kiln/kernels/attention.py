@@ -7,11 +7,7 @@ One kernel, two launch modes behind one launcher (``paged_attention``):
   heads that share one KV head (GQA: the K/V tile is read once for the group) and walks one
   slice of the context; with ``num_splits > 1`` the context is split across programs
   (flash-decoding, Dao et al. 2023) and a second kernel merges the partial results with
-  their running max and sum (log-sum-exp merge), or, with ``fused_merge`` (config key or
-  ``KILN_ATTN_FUSED_MERGE=1``; off by default: on the H200 it made batch-1 decode steps slower,
-  docs/benchmarks.md session 11), the split of each (sequence,
-  KV head) that finishes last merges them in the same launch, through an arrival counter as
-  in TensorRT-LLM's multi-block decode and ``kiln.kernels.splitk``.  Splits are picked from
+  their running max and sum (log-sum-exp merge).  Splits are picked from
   the batch shape so that the grid fills the GPU; no device value is read on the host
   (CUDA-graph safe).
 * **prefill / mixed** (any query lengths, variable per sequence through ``cu_seqlens_q``):
@@ -23,11 +19,6 @@ One kernel, two launch modes behind one launcher (``paged_attention``):
   ``L - q_len + j`` and attends causally to keys ``0..L - q_len + j`` (cached prefix + the
   new tokens).
 
-Decode has a second kernel, ``decode_attention._decode_cuda_core_kernel`` (FMA dot products
-instead of ``tl.dot``, for small GQA groups and fp8 caches), chosen by the ``"kernel"`` key of
-``tuning.ATTENTION["decode"]`` / ``["decode_fp8"]`` (``"mma"`` or ``"cuda_core"``) or per
-call with ``config={"kernel": ...}``; it writes the same partials for the same merge.
-
 The inner loop is FlashAttention-2's (Dao 2023): online softmax in base 2 with running max
 ``m`` and sum ``l``, ``acc = acc * alpha + P @ V``; K/V tiles of BLOCK_N tokens are gathered
 through the block table one token row at a time (``block_tables[s, n // block_size]``,
@@ -36,27 +27,25 @@ converted in registers; the K scale is folded into the softmax scale and the V s
 the output (a program sees one KV head, so per-head scales are scalars).  With a bf16 query
 the two products then run in float16 (one conversion from e4m3; measured 10-25% faster than
 bf16 products on the H200), so query values must stay under 65504 in magnitude; pass
-``config={"fp8_f16_dot": False}`` to keep bf16 products.  With ``fp8_words`` (bit 1: V, the
-decode default; bit 0: K) the cache is read as int32 words of four e4m3 values and each word
-is converted by one op with four float16 results (``_e4m3_words_to_f16``); the four results
-are four operands of four ``tl.dot`` over the d residues ``4i + j`` (q split the same way for
-K; the V outputs interleaved back at the end).  Triton keeps a multi-result op in the layout
-the words were loaded in, instead of loading the fp8 operand byte by byte in the mma layout
-(measured on the H200: decode B384 447 -> 359 us; docs/benchmarks.md).
+``config={"fp8_f16_dot": False}`` to keep bf16 products.  With ``fp8_v_words`` (the decode
+default) V is read as int32 words of four e4m3 values and each word is converted by one op
+with four float16 results (``_e4m3_words_to_f16``); the four results are four operands of four
+``tl.dot`` over the d residues ``4i + j``, interleaved back at the end.  Triton keeps a
+multi-result op in the layout the words were loaded in, instead of loading the fp8 operand
+byte by byte in the mma layout (measured on the H200: decode B384 447 -> 359 us;
+docs/benchmarks.md).
 
 Reference: ``reference.paged_attention_ref``.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.decode_attention import _load_scale, paged_decode_cuda_core
 from kiln.kernels.launch import (
     Scale,
     attention_config,
@@ -67,8 +56,8 @@ from kiln.kernels.launch import (
     next_power_of_2,
     scale_args,
 )
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from kiln.kernels.pdl import launch_kwargs, pdl_start
-from kiln.kernels.splitk import counters
 
 __all__ = ["paged_attention"]
 
@@ -88,6 +77,17 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _load_scale(ptr, stride, val, head, MODE: tl.constexpr):
+    """A KV dequantization scale: MODE 0 none (1.0), 1 the float ``val``, 2 ``ptr[head * stride]``."""
+    s = 1.0
+    if MODE == 2:
+        s = tl.load(ptr + head * stride).to(tl.float32)
+    elif MODE == 1:
+        s = val
+    return s
 
 
 @triton.jit
@@ -134,12 +134,9 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, PART_STRIDE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: run both products in float16 (one cvt from e4m3)
-    WORDS: tl.constexpr = 0,  # fp8 + F16_DOT: bit 0 reads K, bit 1 V as int32 words (see _e4m3_words_to_f16)
-    CVT_PTX: tl.constexpr = 0,  # WORDS conversion through PTX (GPU) instead of integer arithmetic
+    V_WORDS: tl.constexpr = False,  # fp8 + F16_DOT: V read as int32 words (see _e4m3_words_to_f16)
+    CVT_PTX: tl.constexpr = 0,  # V_WORDS conversion through PTX (GPU) instead of integer arithmetic
     PDL: tl.constexpr = False,
-    cnt_ptr=None,  # int32 arrival counters, one per (program, KV head), zero between launches (read with FUSED_MERGE)
-    FUSED_MERGE: tl.constexpr = False,  # decode with splits: the last split of a KV head merges (no merge launch)
-    SPLITS_P2: tl.constexpr = 1,  # NUM_SPLITS rounded up to a power of two (FUSED_MERGE)
 ):
     pdl_start(PDL)  # programmatic dependent launch (kiln.kernels.pdl)
     pid = tl.program_id(0)
@@ -199,15 +196,7 @@ def _paged_attn_kernel(
     v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
     dw = tl.arange(0, BLOCK_D // 4)  # word i holds d = 4i .. 4i + 3
     dw_ok = dw < HEAD_DIM // 4
-    if WORDS & 1:
-        k_words = k_head.to(tl.pointer_type(tl.int32), bitcast=True)
-        q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + 4 * dw[None, :]
-        q_ok = row_ok[:, None] & dw_ok[None, :]
-        q0 = tl.load(q_rows + 0, mask=q_ok, other=0.0).to(tl.float16)
-        q1 = tl.load(q_rows + 1, mask=q_ok, other=0.0).to(tl.float16)
-        q2 = tl.load(q_rows + 2, mask=q_ok, other=0.0).to(tl.float16)
-        q3 = tl.load(q_rows + 3, mask=q_ok, other=0.0).to(tl.float16)
-    if WORDS & 2:
+    if V_WORDS:
         v_words = v_head.to(tl.pointer_type(tl.int32), bitcast=True)
         acc0 = tl.zeros([BLOCK_M, BLOCK_D // 4], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, BLOCK_D // 4], dtype=tl.float32)
@@ -219,22 +208,11 @@ def _paged_attn_kernel(
         n_ok = n < kv_hi
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = (n % BLOCK_SIZE).to(tl.int64)
-        if WORDS & 1:  # K as int32 words: four dots over the d residues (q split the same way)
-            kw = tl.load(
-                k_words + (blk * stride_kb + off * stride_kt)[None, :] // 4 + dw[:, None],
-                mask=n_ok[None, :] & dw_ok[:, None], other=0,
-            )  # [BLOCK_D // 4, BLOCK_N] int32
-            k0, k1, k2, k3 = _e4m3_words_to_f16(kw, CVT_PTX)
-            sc = tl.dot(q0, k0)
-            sc = tl.dot(q1, k1, sc)
-            sc = tl.dot(q2, k2, sc)
-            sc = tl.dot(q3, k3, sc) * qk_scale
-        else:
-            k = tl.load(
-                k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
-                mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-            )  # [BLOCK_D, BLOCK_N]
-            sc = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+        k = tl.load(
+            k_head + (blk * stride_kb + off * stride_kt)[None, :] + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        sc = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale
         ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         sc = tl.where(ok, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -242,7 +220,7 @@ def _paged_attn_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if WORDS & 2:
+        if V_WORDS:
             # V as int32 words (4 e4m3 each): word i of a row holds d = 4i..4i+3; four dots of
             # [BLOCK_M, BLOCK_N] x [BLOCK_N, BLOCK_D // 4] accumulate the four d residues
             vw = tl.load(
@@ -263,7 +241,7 @@ def _paged_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
 
-    if WORDS & 2:  # interleave the four residues back: column 4i + j = acc_j[:, i]
+    if V_WORDS:  # interleave the four residues back: column 4i + j = acc_j[:, i]
         acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_M, BLOCK_D])
     acc = acc * v_scale
     if NUM_SPLITS == 1:
@@ -278,17 +256,6 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
         tl.store(part_acc_ptr + prow[:, None] + d[None, :], acc, mask=row_ok[:, None])
-        if FUSED_MERGE:  # decode (one query row, G heads): the split that arrives last merges them
-            tl.debug_barrier()  # every thread's partials are written before the release below
-            tile = pid * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                t0 = q_start.to(tl.int64)
-                for r in tl.static_range(G):
-                    h = kvh * G + r
-                    _merge_row(out_ptr + t0 * stride_ot + h * stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
-                               t0 * stride_pt + h * stride_ph, HEAD_DIM, NUM_SPLITS, SPLITS_P2, BLOCK_D, PART_STRIDE)
-                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -296,8 +263,7 @@ def _merge_row(out_row_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, prow0, head_di
                NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, PART_STRIDE: tl.constexpr):
     """Flash-decoding reduce of one (token, head): ``out = sum_i 2^(m_i - M) acc_i / sum_i
     2^(m_i - M) l_i`` over the split partials in rows ``prow0 + i`` (base-2 maxima ``m_i``,
-    sums ``l_i``, unnormalized ``acc_i`` [head_dim]).  The partials are read past L1
-    (``.cg``): other SMs wrote them in the same launch when the reduce is fused."""
+    sums ``l_i``, unnormalized ``acc_i`` [head_dim]), read past L1 (``.cg``)."""
     sp = tl.arange(0, SPLITS_P2)
     sp_ok = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
@@ -331,17 +297,8 @@ def _merge_splits_kernel(
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-
-def _fused_merge(cfg: dict) -> bool:
-    """Whether the decode kernel merges its own splits: ``KILN_ATTN_FUSED_MERGE`` (``0``/``1``)
-    when set, else the config's ``fused_merge`` (``tuning.ATTENTION``; default off until
-    measured on the GPU)."""
-    env = os.environ.get("KILN_ATTN_FUSED_MERGE", "").strip()
-    if env:
-        if env not in ("0", "1"):
-            raise ValueError(f"KILN_ATTN_FUSED_MERGE must be 0 or 1, got {env!r}")
-        return env == "1"
-    return bool(cfg.get("fused_merge", False))
+# Launch meta-parameters a caller may override (``paged_attention(config=...)``).
+CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "fp8_f16_dot", "fp8_v_words"})
 
 
 def _words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
@@ -367,6 +324,7 @@ def paged_attention(
     num_splits: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     config: Optional[dict] = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of the new query tokens over the paged KV cache.
 
@@ -395,17 +353,17 @@ def paged_attention(
         num_splits: force the number of context splits (decode mode; tests, tuning).
         max_seq_len: optional upper bound of ``seq_lens``; lets the decode heuristic avoid
             splitting short contexts.  Must be a host int.
-        config: override of the launch meta-parameters from ``tuning.ATTENTION``
-            (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; decode: ``kernel``
-            "mma" or "cuda_core"; ``maxnreg``, a register cap; cuda_core: ``prefetch``; fp8
-            caches: ``fp8_f16_dot``, ``fp8_words`` 0-3, bit 0 K and bit 1 V read as int32
-            words and converted in registers; ``fused_merge``: decode splits merged in the
-            same launch, "mma" kernel); for tuning.
+        config: override of the launch meta-parameters from the device's tuning table
+            (keys ``CONFIG_KEYS``: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``;
+            ``maxnreg``, a register cap; fp8 caches: ``fp8_f16_dot``, ``fp8_v_words``: V read
+            as int32 words and converted in registers); for tuning.
+        options: the engine's kernel options (programmatic dependent launch).
     Returns:
         ``out``: ``[T, Hq, D]`` in q's dtype.  Rows after ``cu_seqlens_q[-1]`` are left
         unwritten.
     Raises:
-        ValueError: bad shapes, dtypes, devices or strides.
+        ValueError: bad shapes, dtypes, devices or strides; a ``config`` key outside
+            ``CONFIG_KEYS``.
     """
     check(q.dim() == 3, f"q must be [T, Hq, D], got {tuple(q.shape)}")
     T, Hq, D = q.shape
@@ -438,13 +396,10 @@ def paged_attention(
     G = Hq // Hkv
     decode = max_query_len == 1 if max_query_len is not None else T == S
     kind = ("decode_fp8" if fp8 else "decode") if decode else "prefill"
-    cfg = attention_config(kind)
-    kernel = (config or {}).get("kernel", cfg.get("kernel", "mma")) if decode else "mma"
-    check(kernel in ("mma", "cuda_core"), f"unknown attention kernel {kernel!r} (expected 'mma' or 'cuda_core')")
-    if kernel == "cuda_core":  # launch parameters of its own (tuning.ATTENTION[kind + "_cuda_core"])
-        cfg = attention_config(kind + "_cuda_core")
-    if config:
-        cfg.update(config)
+    cfg = attention_config(kind, q.device)
+    unknown = sorted(set(config or {}) - CONFIG_KEYS)
+    check(not unknown, f"unknown attention config key(s) {unknown}; expected some of {sorted(CONFIG_KEYS)}")
+    cfg.update(config or {})
     BLOCK_D = max(16, next_power_of_2(D))
     BLOCK_N = cfg["BLOCK_N"]
     if decode:
@@ -469,49 +424,35 @@ def paged_attention(
         part_l = part[:, BLOCK_D + 1]
     else:
         part_acc = part_m = part_l = out  # unused
-    # the "mma" decode may merge its splits in the same launch (below); otherwise cnt_ptr is never
-    # read, and gets an int32 tensor anyway (no None argument reaches a compiled launch)
-    fused: dict = {"cnt_ptr": seq_lens}
-    if kernel == "cuda_core":
-        paged_decode_cuda_core(q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, seq_lens,
-                               cu_seqlens_q, ks, vs, scale, splits, BLOCK_D, part_stride, cfg)
-    else:
-        # decode with splits: the last split of each KV head reduces them (``FUSED_MERGE``,
-        # arrival counters as in ``kiln.kernels.splitk``) instead of a second launch
-        if decode and splits > 1 and _fused_merge(cfg):
-            fused.update(cnt_ptr=counters(q.device, grid0 * Hkv), FUSED_MERGE=True,
-                         SPLITS_P2=next_power_of_2(splits))
-        dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
-        words = int(cfg.get("fp8_words", 0)) if f16_dot else 0
-        check(words in (0, 1, 2, 3), f"fp8_words must be 0..3, got {words}")
-        if words and (BLOCK_D < 64 or not _words_ok(k_cache, v_cache, D)):
-            words = 0  # dots need >= 16 words; int32 views need 4-byte aligned rows (true for the runtime's caches)
-
-        _paged_attn_kernel[(grid0, Hkv, splits)](
-            q, k_cache, v_cache, out,
-            part_acc, part_m, part_l,
-            block_tables, seq_lens, cu_seqlens_q,
-            ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            float(scale), S,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            Hq * splits, splits,
-            HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
-            K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
-            WORDS=words, CVT_PTX=bool(words) and q.is_cuda and not interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
-            **launch_kwargs(q.device), **fused,
-        )
-    if splits > 1 and not fused.get("FUSED_MERGE"):
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
+    # V as int32 words: dots need >= 16 words; int32 views need 4-byte aligned rows (true for
+    # the runtime's caches)
+    v_words = bool(f16_dot and cfg.get("fp8_v_words", False) and BLOCK_D >= 64 and _words_ok(k_cache, v_cache, D))
+    _paged_attn_kernel[(grid0, Hkv, splits)](
+        q, k_cache, v_cache, out,
+        part_acc, part_m, part_l,
+        block_tables, seq_lens, cu_seqlens_q,
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        float(scale), S,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        Hq * splits, splits,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, G=G, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        NUM_SPLITS=splits, IS_DECODE=decode, PART_STRIDE=part_stride,
+        K_SCALE_MODE=ks[3], V_SCALE_MODE=vs[3], DOT_PREC=dot_prec, F16_DOT=f16_dot,
+        V_WORDS=v_words, CVT_PTX=v_words and q.is_cuda and not interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (occupancy)
+        **launch_kwargs(q.device, options),
+    )
+    if splits > 1:
         _merge_splits_kernel[(T, Hq)](
             out, part_acc, part_m, part_l,
             out.stride(0), out.stride(1), Hq * splits, splits, D,
             NUM_SPLITS=splits, SPLITS_P2=next_power_of_2(splits), BLOCK_D=BLOCK_D, PART_STRIDE=part_stride,
-            num_warps=1 if BLOCK_D * splits <= 1024 else 4, **launch_kwargs(q.device),
+            num_warps=1 if BLOCK_D * splits <= 1024 else 4, **launch_kwargs(q.device, options),
         )
     return out

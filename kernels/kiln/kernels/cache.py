@@ -27,6 +27,7 @@ from kiln.kernels.launch import (
     row_warps,
     scale_args,
 )
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from kiln.kernels.pdl import launch_kwargs, pdl_start
 from kiln.kernels.rotary import _cos_sin, _rotate_heads
 
@@ -122,6 +123,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # int64 [T]
     k_scale: Scale = None,
     v_scale: Scale = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> None:
     """Scatter ``key``/``value`` rows into the caches at ``slot_mapping`` (in place).
 
@@ -134,6 +136,7 @@ def reshape_and_cache(
             ``< num_blocks * block_size`` (not checked: a host sync).
         k_scale, v_scale: fp8 scales (float, 1-element or ``[Hkv]`` float32 tensor);
             ignored for non-fp8 caches.
+        options: the engine's kernel options (programmatic dependent launch).
     Raises:
         ValueError: bad shapes, dtypes, devices or strides.
     """
@@ -160,7 +163,8 @@ def reshape_and_cache(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H, D, k_cache.shape[1],
         SCALE_MODE_K=ks[3], SCALE_MODE_V=vs[3], FP8=fp8, ROUND_FP8=fp8 and interpreting(),
-        BLOCK_H=next_power_of_2(H), BLOCK_D=next_power_of_2(D), num_warps=row_warps(H * D), **launch_kwargs(key.device),
+        BLOCK_H=next_power_of_2(H), BLOCK_D=next_power_of_2(D), num_warps=row_warps(H * D, key.device),
+        **launch_kwargs(key.device, options),
     )
 
 
@@ -209,6 +213,7 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,  # int64 [T]
     k_scale: Scale = None,
     v_scale: Scale = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_embedding(positions, q, k, cos_sin_cache)`` then ``reshape_and_cache(k, v,
     k_cache, v_cache, slot_mapping, k_scale, v_scale)`` in one launch; returns ``(q, k)``
@@ -259,6 +264,6 @@ def rotary_and_cache(
         Hq, H, half, k_cache.shape[1],
         SCALE_MODE_K=ks[3], SCALE_MODE_V=vs[3], FP8=fp8, ROUND_FP8=fp8 and interpreting(),
         BLOCK_HQ=next_power_of_2(Hq), BLOCK_H=next_power_of_2(H), BLOCK_HALF=next_power_of_2(half),
-        num_warps=row_warps(Hq * half), **launch_kwargs(q.device),
+        num_warps=row_warps(Hq * half, q.device), **launch_kwargs(q.device, options),
     )
     return q, k

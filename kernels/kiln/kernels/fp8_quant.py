@@ -2,7 +2,7 @@
 
 ``per_token_quant_fp8(x)`` returns ``(q, scale)`` with ``scale[t] = max(|x[t, :]|, 1e-12) / 448``
 (float32 ``[T, 1]``) and ``q = clamp(x / scale, -448, 448)`` in float8_e4m3fn: one read of x
-and one write of q, where the torch reference (``per_token_quant_fp8_ref``) makes several
+and one write of q, where the torch reference (``reference.per_token_quant_fp8_ref``) makes several
 passes (abs, amax, divide, clamp, cast).  One program per row; rows up to 32768 wide.
 """
 
@@ -12,15 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+from kiln.kernels.reference import per_token_quant_fp8_ref
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_ref"]
-
-
-def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: ``x`` [T, K] -> (float8_e4m3fn [T, K], float32 [T, 1])."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 @triton.jit

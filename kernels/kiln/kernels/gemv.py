@@ -22,7 +22,7 @@ float32 partial, bumps a per-tile counter, and the last to arrive adds the parti
 order, so results are bit-reproducible), writes ``y`` and resets the counter (as in ``w4a16``).
 
 Launch choices: ``TUNED`` (measured per (N, K, M bucket)), else ``choose_config``'s default.
-``gemv_ref`` is the torch reference.
+``reference.gemv_ref`` is the torch reference.
 """
 
 from __future__ import annotations
@@ -31,18 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_kwargs, pdl_start
-from .splitk import counters as _counters
-from .splitk import finish_tile
+from kiln.kernels import tuning
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+from kiln.kernels.pdl import launch_kwargs, pdl_start
+from kiln.kernels.reference import gemv_ref
+from kiln.kernels.splitk import counters as _counters
+from kiln.kernels.splitk import finish_tile
 
 __all__ = ["gemv", "gemv_ref", "choose_config", "use_gemv", "m_bucket", "TUNED", "MAX_M"]
 
 MAX_M = 8  # largest M the kernel is meant for (larger M: a tensor-core GEMM)
-
-
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Reference ``x`` [M, K] @ ``weight`` [N, K]^T in float32 -> [M, N] in ``out_dtype`` (default ``x.dtype``)."""
-    return (x.float() @ weight.float().t()).to(out_dtype or x.dtype)
 
 
 @triton.jit
@@ -83,28 +81,11 @@ def _gemv_kernel(
 
 
 # Measured launch configs: (N, K, M bucket) -> config; buckets 1, 2, 4, 8 (M = 3 uses 4's,
-# 5..8 use 8's).  H200 sweep of 43-127 configs per point, 2026-11-30 (``python -m
-# kiln.kernels.gemv_bench``; docs/benchmarks.md, "bf16 GEMV (batch-1 decode)"), per call in a
-# CUDA graph, L2 defeated, us vs cuBLAS ``F.linear``.  Only points where the kernel beat cuBLAS
-# are listed, and ``use_gemv`` routes a linear layer here only for those.  Lost (cuBLAS kept):
-# M = 2 qkv 16.0 vs 15.5 and LM head 260.5 vs 254.3; M = 4 0.69-0.85x; M = 8 0.34-0.47x (the
-# [M, BLOCK_N, 8] accumulator per thread leaves room for only 2 rows in flight).  No winner used
-# split-K (N / BLOCK_N = 1024+ programs fill 132 SMs) nor cp.async stages (num_stages 2).
-TUNED: dict[tuple[int, int, int], dict] = {
-    # qkv: 14.2 us vs 16.5 (3.55 TB/s)
-    (6144, 4096, 1): {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
-    # o: 10.2 vs 12.8 (3.29 TB/s); M = 2: 11.1 vs 12.5
-    (4096, 4096, 1): {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
-    (4096, 4096, 2): {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 2, "num_stages": 1},
-    # gate_up: 54.4 vs 61.7 (4.31 TB/s); M = 2: 61.2 vs 62.3
-    (28672, 4096, 1): {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
-    (28672, 4096, 2): {"BLOCK_M": 2, "BLOCK_N": 2, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 2, "num_stages": 1},
-    # down: 28.6 vs 31.7 (4.11 TB/s); M = 2: 30.8 vs 31.7
-    (4096, 14336, 1): {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 2, "num_stages": 1},
-    (4096, 14336, 2): {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 2, "num_stages": 1},
-    # LM head, float32 logits written directly: 231.5 vs 252.2 for F.linear + .float() (4.54 TB/s)
-    (128256, 4096, 1): {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
-}
+# 5..8 use 8's); the device's tuning table, ``"gemv"`` (data: ``kiln.kernels.tuning``; H200
+# sweep of 43-127 configs per point with ``benchmarks/gemv_bench.py``, docs/benchmarks.md,
+# "bf16 GEMV (batch-1 decode)").  Only points where the kernel beat cuBLAS are listed, and
+# ``use_gemv`` routes a linear layer here only for those.  ``TUNED`` is the default table's.
+TUNED: dict[tuple[int, int, int], dict] = tuning.table().gemv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -115,10 +96,10 @@ def m_bucket(M: int) -> int:
 
 
 def choose_config(M: int, N: int, K: int, device: torch.device) -> dict:
-    """Tile sizes, warps, stages and split-K: ``TUNED`` first, else a default (small tiles under
-    the CPU interpreter)."""
-    tuned = TUNED.get((N, K, m_bucket(M)))
-    if tuned is not None and device.type == "cuda":
+    """Tile sizes, warps, stages and split-K: the device's tuning table first, else a default
+    (small tiles under the CPU interpreter)."""
+    tuned = tuning.table(device).gemv.get((N, K, m_bucket(M))) if device.type == "cuda" else None
+    if tuned is not None:
         return dict(tuned)
     bm = min(MAX_M, triton.next_power_of_2(M))
     if device.type != "cuda":
@@ -131,13 +112,14 @@ def choose_config(M: int, N: int, K: int, device: torch.device) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "num_stages": 1}
 
 
-def use_gemv(M: int, N: int, K: int) -> bool:
-    """True when the H200 sweep found this kernel faster than cuBLAS for (N, K) at this M."""
-    return (N, K, m_bucket(M)) in TUNED
+def use_gemv(M: int, N: int, K: int, device: torch.device | None = None) -> bool:
+    """True when the device's tuning table lists (N, K) at this M: the sweep found this kernel
+    faster than cuBLAS there."""
+    return (N, K, m_bucket(M)) in tuning.table(device).gemv
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-         config: dict | None = None) -> torch.Tensor:
+         config: dict | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in ``out_dtype`` (default ``x.dtype``).
 
     Args:
@@ -145,6 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
         weight: [N, K] with contiguous rows (``stride(1) == 1``), e.g. an nn.Linear weight.
         out_dtype: float16/bfloat16/float32 (float32 lets an LM head skip a cast).
         config: override ``choose_config`` (benchmarks, tests).
+        options: the engine's kernel options (programmatic dependent launch).
     Raises:
         ValueError: shapes, strides or dtypes the kernel does not take.
     """
@@ -181,6 +164,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
         x, weight, out, part, cnt, M, N, K, k_per_split, split, x.stride(0), weight.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, EVEN_K=K % bk == 0, HAS_SPLIT=split > 1,
-        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], **launch_kwargs(x.device),
+        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], **launch_kwargs(x.device, options),
     )
     return out

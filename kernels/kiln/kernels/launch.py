@@ -1,17 +1,19 @@
 """Launch heuristics and argument checks shared by every launcher (one place, as Liger-Kernel's
-``ops/utils.py``).  The numbers themselves live in ``tuning.py``."""
+``ops/utils.py``).  The numbers themselves are data: ``kiln.kernels.tuning`` (one table per device)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Optional, Union
 
 import torch
 import triton
 
 from kiln.kernels import tuning
+from kiln.kernels.platform import ensure_interpreter_compat, interpreting
+
+ensure_interpreter_compat()
 
 __all__ = [
     "interpreting",
@@ -27,11 +29,6 @@ __all__ = [
 ]
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -42,20 +39,21 @@ def _num_sms_cached(index: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (``tuning.DEFAULT_NUM_SMS`` for a CPU device)."""
+    """Streaming multiprocessors of ``device`` (the default tuning table's ``num_sms`` for a CPU device)."""
     if device.type == "cuda":
         return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
-    return tuning.DEFAULT_NUM_SMS
+    return tuning.table(device).num_sms
 
 
-def row_warps(num_elements: int) -> int:
-    """num_warps for a kernel whose program handles one row of ``num_elements``."""
+def row_warps(num_elements: int, device: Optional[torch.device] = None) -> int:
+    """num_warps for a kernel whose program handles one row of ``num_elements`` on ``device``."""
     if interpreting():
         return 1
-    for limit, warps in tuning.ROW_WARPS:
+    table = tuning.table(device).row_warps
+    for limit, warps in table:
         if num_elements <= limit:
             return warps
-    return tuning.ROW_WARPS[-1][1]
+    return table[-1][1]
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_context: Optional[int] = None) -> int:
@@ -63,11 +61,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 
     One split when ``num_seqs * num_kv_heads >= SMs * single_split_programs_per_sm``; else
     the largest power of two not above ``SMs * programs_per_sm / (num_seqs * num_kv_heads)``,
-    clamped to ``[min_splits, max_splits]`` (``tuning.DECODE_SPLIT``); with ``max_context``
+    clamped to ``[min_splits, max_splits]`` (the tuning table's ``decode_split``); with ``max_context``
     no split is shorter than ``min_tokens_per_split``.  Depends only on host ints, never on
     device data, so it is fixed for a CUDA graph captured at one batch size.
     """
-    cfg = tuning.DECODE_SPLIT
+    cfg = tuning.table(device).decode_split
     programs = max(num_seqs * num_kv_heads, 1)
     if programs >= num_sms(device) * cfg["single_split_programs_per_sm"] and not interpreting():
         return 1  # the grid fills the GPU many times over: a split only adds partials and a merge
@@ -81,14 +79,15 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
     return int(splits)
 
 
-def attention_config(kind: str) -> dict:
-    """Meta-parameters for the paged attention kernel (a fresh dict).
+def attention_config(kind: str, device: Optional[torch.device] = None) -> dict:
+    """Meta-parameters for the paged attention kernel on ``device`` (a fresh dict).
 
-    ``kind``: "decode", "decode_fp8" or "prefill" (keys of ``tuning.ATTENTION``).
+    ``kind``: "decode", "decode_fp8" or "prefill" (the tuning table's ``attention`` keys);
+    under the CPU interpreter ``tuning.INTERPRETER_ATTENTION``.
     """
     if interpreting():
-        return dict(tuning.ATTENTION["interpreter"])
-    return dict(tuning.ATTENTION[kind])
+        return dict(tuning.INTERPRETER_ATTENTION)
+    return dict(tuning.table(device).attention[kind])
 
 
 def check(cond: bool, msg: str) -> None:

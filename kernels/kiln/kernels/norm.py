@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import check, check_last_dim_contiguous, next_power_of_2, row_warps
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["rms_norm", "fused_add_rms_norm"]
@@ -58,7 +59,8 @@ def _check_common(x: torch.Tensor, weight: torch.Tensor) -> None:
     check(weight.stride(0) == 1, "weight must be contiguous")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None,
+             options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """RMSNorm of each row: ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
 
     Args:
@@ -66,6 +68,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[to
         weight: ``[H]``, contiguous.
         eps: added to the mean square.
         out: optional ``[T, H]`` destination in x's dtype (may be ``x`` itself).
+        options: the engine's kernel options (programmatic dependent launch).
     Returns:
         ``[T, H]`` in x's dtype.
     Raises:
@@ -82,13 +85,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: Optional[to
         x, x, weight, out, out,
         x.stride(0), 0, out.stride(0), 0,
         H, float(eps),
-        HAS_RESIDUAL=False, BLOCK=next_power_of_2(H), num_warps=row_warps(H), **launch_kwargs(x.device),
+        HAS_RESIDUAL=False, BLOCK=next_power_of_2(H), num_warps=row_warps(H, x.device), **launch_kwargs(x.device, options),
     )
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual``; ``normed = rms_norm(new_residual)``, in one pass.
 
@@ -99,6 +103,7 @@ def fused_add_rms_norm(
         inplace: if True, ``normed`` is written into ``x`` and ``new_residual`` into
             ``residual`` (vLLM's convention) and those two tensors are returned; otherwise
             both results are new tensors and the inputs are untouched.
+        options: the engine's kernel options (programmatic dependent launch).
     Returns:
         ``(normed, new_residual)``, both ``[T, H]`` in x's dtype.
     Raises:
@@ -119,6 +124,6 @@ def fused_add_rms_norm(
         x, residual, weight, out, res_out,
         x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
         H, float(eps),
-        HAS_RESIDUAL=True, BLOCK=next_power_of_2(H), num_warps=row_warps(H), **launch_kwargs(x.device),
+        HAS_RESIDUAL=True, BLOCK=next_power_of_2(H), num_warps=row_warps(H, x.device), **launch_kwargs(x.device, options),
     )
     return out, res_out

@@ -18,28 +18,25 @@ launched the ordinary way after a PDL kernel (cuBLAS, torch ops) waits for it as
 kernel after an ordinary one starts when that one completes.  CUDA graphs keep the
 programmatic edges (CUDA >= 12.3).
 
-A variant that also asked the L2 to prefetch the GEMV weights before the wait (Hopper's
-``cp.async.bulk.prefetch.L2``) was measured and dropped (docs/benchmarks.md, session 7).
-Loading the first weight step into registers before the wait (``w4a16`` ``EARLY``,
-``KILN_W4A16_EARLY=1``) sped GEMV chains up alone (qkv 7.5 -> 6.7 us) but not after a norm,
-and made the batch-1 int4 decode step slower (2.229 vs 2.103 ms of GPU per step, session 11):
-off by default.
-
-``launch_kwargs(device)`` gives the launch arguments: ``PDL=True, launch_pdl=True`` on a CUDA
-device of compute capability >= 9.0 outside the CPU interpreter unless ``KILN_PDL=0``, else
-``PDL=False``.  Every kernel that takes them declares ``PDL: tl.constexpr`` and calls
+``launch_kwargs(device, options)`` gives the launch arguments: ``PDL=True, launch_pdl=True``
+on a CUDA device of compute capability >= 9.0 outside the CPU interpreter when
+``options.pdl`` (``kiln.kernels.options.KernelOptions``), else ``PDL=False``.  Every kernel that takes them declares ``PDL: tl.constexpr`` and calls
 ``pdl_start(PDL)`` as its first statement.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+from kiln.kernels.platform import ensure_interpreter_compat, interpreting
+
+ensure_interpreter_compat()
 
 __all__ = ["pdl_enabled", "launch_kwargs", "pdl_start"]
 
@@ -49,21 +46,18 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """True when kernels on ``device`` may use programmatic dependent launch: CUDA, compute
-    capability >= 9.0 (Hopper), not ``TRITON_INTERPRET=1``, and ``KILN_PDL`` is not ``0``
-    (read at every launch, so a process can time both)."""
-    if device.type != "cuda" or os.environ.get("KILN_PDL", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+def pdl_enabled(device: torch.device, options: KernelOptions = DEFAULT_OPTIONS) -> bool:
+    """True when kernels on ``device`` use programmatic dependent launch: ``options.pdl``, a
+    CUDA device of compute capability >= 9.0 (Hopper), and not Triton's CPU interpreter."""
+    if device.type != "cuda" or not options.pdl or interpreting():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
-def launch_kwargs(device: torch.device) -> dict:
+def launch_kwargs(device: torch.device, options: KernelOptions = DEFAULT_OPTIONS) -> dict:
     """Keyword arguments for a kernel launch on ``device``: ``{"PDL": True, "launch_pdl": True}``
-    where ``pdl_enabled``, else ``{"PDL": False}``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+    where ``pdl_enabled(device, options)``, else ``{"PDL": False}``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device, options) else {"PDL": False}
 
 
 @triton.jit

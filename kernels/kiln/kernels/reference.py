@@ -1,6 +1,7 @@
 """Torch reference implementations of every Kiln kernel (the CPU path and the test oracle).
 
-Plain torch, no Triton import: clear rather than fast.  Each function has the same
+Plain torch, no Triton import (importable where Triton is not installed): the runtime's CPU
+path calls these functions, so each op has exactly one torch version.  Each function has the same
 signature and semantics as its Triton twin in ``kiln.kernels`` (name without ``_ref``).
 They run on any device and in any floating dtype; pass float64 inputs (or caches) to get
 a float64 oracle.  Internal arithmetic is done in float32, or float64 when the inputs are
@@ -25,6 +26,9 @@ import math
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
+
+from kiln.kernels import int4_format
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -32,9 +36,14 @@ __all__ = [
     "paged_attention_ref",
     "rms_norm_ref",
     "fused_add_rms_norm_ref",
+    "inv_freq",
     "build_cos_sin_cache",
     "rotary_embedding_ref",
     "silu_and_mul_ref",
+    "gemv_ref",
+    "dequantize_ref",
+    "w4a16_ref",
+    "per_token_quant_fp8_ref",
 ]
 
 Scale = Union[float, torch.Tensor, None]
@@ -136,6 +145,12 @@ def paged_attention_ref(
     leaves them unwritten).  A sequence with ``seq_len == 0`` (a padded decode slot) gets
     zeros.
 
+    Decode rows (one query token) are attended in one batch: their K/V are gathered into a
+    padded ``[S, Hkv, L, D]`` tensor and the query heads of a KV head stacked on the query
+    axis, under a length mask; longer query runs go one sequence at a time with a causal mask
+    offset by the cached prefix.  Both through ``scaled_dot_product_attention`` in the
+    compute dtype (float32, or float64 for float64 inputs).
+
     Raises:
         ValueError: on inconsistent shapes (Hq not a multiple of Hkv, head_dim mismatch,
             q_len > seq_len).
@@ -149,27 +164,52 @@ def paged_attention_ref(
     out = torch.zeros(T, Hq, D, dtype=cd, device=q.device)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    q_lens = [cu[s + 1] - cu[s] for s in range(len(lens))]
     for s, ctx in enumerate(lens):
-        start, end = cu[s], cu[s + 1]
-        q_len = end - start
-        if q_len == 0:
+        if ctx > 0 and q_lens[s] > ctx:
+            raise ValueError(f"sequence {s}: q_len {q_lens[s]} > seq_len {ctx}")
+    dec = [s for s, ctx in enumerate(lens) if q_lens[s] == 1 and ctx > 0]
+    if dec:
+        _decode_rows(out, q, k_cache, v_cache, block_tables, [lens[s] for s in dec], [cu[s] for s in dec], dec,
+                     scale, k_scale, v_scale, cd)
+    for s, ctx in enumerate(lens):
+        n = q_lens[s]
+        if n <= 1 or ctx == 0:
             continue
-        if ctx == 0:
-            continue
-        if q_len > ctx:
-            raise ValueError(f"sequence {s}: q_len {q_len} > seq_len {ctx}")
-        k = _gather_kv(k_cache, block_tables[s], ctx, k_scale, cd)  # [ctx, Hkv, D]
-        v = _gather_kv(v_cache, block_tables[s], ctx, v_scale, cd)
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        qs = q[start:end].to(cd).transpose(0, 1)  # [Hq, q_len, D]
-        scores = torch.matmul(qs, k.transpose(1, 2)) * scale  # [Hq, q_len, ctx]
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.matmul(p, v).transpose(0, 1)
+        k = _gather_kv(k_cache, block_tables[s], ctx, k_scale, cd).transpose(0, 1)  # [Hkv, ctx, D]
+        v = _gather_kv(v_cache, block_tables[s], ctx, v_scale, cd).transpose(0, 1)
+        qs = q[cu[s]:cu[s] + n].to(cd)  # [n, Hq, D]
+        qg = qs.view(n, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n, D)  # heads of a KV head stacked
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = (torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)).repeat(group, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [Hkv, group * n, D]
+        out[cu[s]:cu[s] + n] = o.view(Hkv, group, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
     return out.to(q.dtype)
+
+
+def _decode_rows(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, lens: list[int], rows: list[int], seqs: list[int], scale: float,
+                 k_scale: Scale, v_scale: Scale, cd: torch.dtype) -> None:
+    """``paged_attention_ref`` of one-query-row sequences ``seqs`` (contexts ``lens`` > 0,
+    query rows ``rows``) in one padded batch, written into ``out`` [T, Hq, D] (``cd``)."""
+    Hq, D = q.shape[1], q.shape[2]
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    n, L = len(seqs), max(lens)
+    nblk = (L + bs - 1) // bs
+    idx = torch.tensor(seqs, device=q.device)
+    tables = block_tables.index_select(0, idx)[:, :nblk].to(torch.int64).reshape(-1)  # [n * nblk]
+    kv = []
+    for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)):
+        x = cache.index_select(0, tables).view(n, nblk * bs, Hkv, D)[:, :L].to(cd)
+        if _is_fp8(cache):
+            x = x * _scale_tensor(sc, Hkv, cd, cache.device)
+        kv.append(x.transpose(1, 2))  # [n, Hkv, L, D]
+    lens_t = torch.tensor(lens, device=q.device)
+    mask = (torch.arange(L, device=q.device).unsqueeze(0) < lens_t.unsqueeze(1)).view(n, 1, 1, L)
+    rows_t = torch.tensor(rows, device=q.device)
+    qd = q.index_select(0, rows_t).to(cd).view(n, Hkv, Hq // Hkv, D)
+    o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=mask, scale=scale)  # [n, Hkv, group, D]
+    out.index_copy_(0, rows_t, o.reshape(n, Hq, D))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -196,8 +236,18 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
-def _inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict]) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (float32), as transformers computes them."""
+def inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict]) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[head_dim // 2]`` (float32), as transformers computes them.
+
+    ``rope_scaling`` "linear" divides the frequencies by ``factor``; "llama3" applies Llama
+    3.1's wavelength-dependent scaling (Meta, 2024; transformers'
+    ``_compute_llama3_parameters``): long wavelengths are divided by ``factor``, short ones
+    kept, and the band in between interpolated smoothly (``low_freq_factor`` 1,
+    ``high_freq_factor`` 4 and ``original_max_position_embeddings`` 8192 when absent).
+
+    Raises:
+        ValueError: an unsupported scaling type.
+    """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
     if not rope_scaling:
         return inv_freq
@@ -205,13 +255,13 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict]) -> torch
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / rope_scaling["factor"]
+        return inv_freq / float(rope_scaling.get("factor", 1.0))
     if rope_type == "llama3":
         # transformers.modeling_rope_utils._compute_llama3_parameters, step for step.
-        factor = rope_scaling["factor"]
-        low_freq_factor = rope_scaling["low_freq_factor"]
-        high_freq_factor = rope_scaling["high_freq_factor"]
-        old_context_len = rope_scaling["original_max_position_embeddings"]
+        factor = float(rope_scaling.get("factor", 1.0))
+        low_freq_factor = float(rope_scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(rope_scaling.get("high_freq_factor", 4.0))
+        old_context_len = float(rope_scaling.get("original_max_position_embeddings", 8192))
         low_freq_wavelen = old_context_len / low_freq_factor
         high_freq_wavelen = old_context_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -243,9 +293,8 @@ def build_cos_sin_cache(
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
-    inv_freq = _inv_freq(head_dim, base, rope_scaling)
     t = torch.arange(max_position, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+    freqs = torch.outer(t, inv_freq(head_dim, base, rope_scaling))  # [max_position, head_dim // 2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
 
 
@@ -289,3 +338,25 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate = x[..., :inter].to(cd)
     up = x[..., inter:].to(cd)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x`` [M, K] @ ``weight`` [N, K]^T in float32 -> [M, N] in ``out_dtype`` (default ``x.dtype``)."""
+    return (x.float() @ weight.float().t()).to(out_dtype or x.dtype)
+
+
+def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor) -> torch.Tensor:
+    """float32 ``W`` [N, K] from the packed int4 format (``kiln.kernels.int4_format``)."""
+    return int4_format.dequantize(qweight, scales, qzeros, torch.float32)
+
+
+def w4a16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ dequant(W)^T -> [M, N] in ``x.dtype`` (float32 math)."""
+    return (x.float() @ dequantize_ref(qweight, scales, qzeros).t()).to(x.dtype)
+
+
+def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row FP8: ``x`` float [T, K] -> (float8_e4m3fn [T, K], float32 scales [T, 1])
+    with ``scale[t] = max(|x[t, :]|, 1e-12) / 448`` and ``x ≈ q * scale``."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_E4M3_MAX
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale

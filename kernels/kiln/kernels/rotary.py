@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import check, check_last_dim_contiguous, next_power_of_2, row_warps
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 __all__ = ["rotary_embedding"]
@@ -69,6 +70,7 @@ def rotary_embedding(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [max_position, D]
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place by their token's position; returns ``(q, k)``.
 
@@ -80,6 +82,7 @@ def rotary_embedding(
         k: ``[T, Hkv, D]``, same dtype and rules.
         cos_sin_cache: ``[max_position, D]`` (cos half then sin half), any float dtype,
             last dim contiguous.
+        options: the engine's kernel options (programmatic dependent launch).
     Raises:
         ValueError: bad shapes, dtypes, devices or strides.
     """
@@ -102,6 +105,6 @@ def rotary_embedding(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         Hq, k.shape[1], half,
         BLOCK_HQ=next_power_of_2(Hq), BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(half),
-        num_warps=row_warps(Hq * half), **launch_kwargs(q.device),
+        num_warps=row_warps(Hq * half, q.device), **launch_kwargs(q.device, options),
     )
     return q, k

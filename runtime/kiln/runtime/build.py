@@ -250,13 +250,14 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     import torch  # noqa: PLC0415
 
     from . import loader  # noqa: PLC0415
+    from .config import env_cpu_threads  # noqa: PLC0415
     from .model.config import ModelConfig, UnsupportedModelError  # noqa: PLC0415
     from .model.llama import LlamaForCausalLM  # noqa: PLC0415
     from .model_runner import resolve_device  # noqa: PLC0415
     from .quantization import QuantizationError, QuantSettings, get_handler  # noqa: PLC0415
     from .quantization import calibration, kv_fp8  # noqa: PLC0415
 
-    threads = int(os.environ.get("KILN_CPU_THREADS", "0") or 0)
+    threads = env_cpu_threads()
     if threads:
         torch.set_num_threads(threads)
     try:

@@ -1,8 +1,32 @@
-"""Engine-wide settings (the flags of ``kiln serve`` / arguments of ``LLM``)."""
+"""Engine-wide settings (the flags of ``kiln serve`` / arguments of ``LLM``).
+
+One of the two entry points (with the CLI) that read the environment: ``KILN_CPU_THREADS``
+(``env_cpu_threads``) is the default of ``EngineArgs.cpu_threads`` and of ``kiln build``'s
+thread count.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
+
+from kiln.kernels.options import KernelOptions
+
+
+def env_cpu_threads() -> int | None:
+    """``KILN_CPU_THREADS`` as a positive integer, None when unset, empty or 0.
+
+    Raises:
+        ValueError: a value that is not a non-negative integer.
+    """
+    raw = os.environ.get("KILN_CPU_THREADS", "").strip()
+    try:
+        value = int(raw or 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"KILN_CPU_THREADS must be a non-negative integer, got {raw!r}")
+    return value or None
 
 
 @dataclass
@@ -44,8 +68,19 @@ class EngineArgs:
     # force it (tests run the asynchronous path on the CPU).
     async_scheduling: bool | None = None
     # CPU intra-op threads for torch (None: torch's default, one per core).  On a loaded
-    # machine 1 avoids OpenMP barrier thrash.  Env: KILN_CPU_THREADS.
-    cpu_threads: int | None = None
+    # machine 1 avoids OpenMP barrier thrash.  Default: KILN_CPU_THREADS (env_cpu_threads).
+    cpu_threads: int | None = field(default_factory=env_cpu_threads)
+    # Kernel choices (CUDA), turned into one KernelOptions at engine start (kernel_options()):
+    # programmatic dependent launch on Hopper; rotary embedding and KV-cache write in one
+    # kernel; the token count from which an int4 GEMM dequantizes its weight for cuBLAS.
+    pdl: bool = True
+    fused_rope_kv: bool = True
+    w4a16_dequant_min_m: int = 65
+
+    def kernel_options(self) -> KernelOptions:
+        """The engine's ``KernelOptions`` (ValueError for an out-of-range field)."""
+        return KernelOptions(pdl=self.pdl, fused_rope_kv=self.fused_rope_kv,
+                             w4a16_dequant_min_m=self.w4a16_dequant_min_m)
 
     def __post_init__(self) -> None:
         if self.model and self.engine:
@@ -72,6 +107,7 @@ class EngineArgs:
                 f"scheduler_policy must be max_utilization or guaranteed_no_evict, got {self.scheduler_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        self.kernel_options()  # refuses a w4a16_dequant_min_m below 1
 
 
 DEFAULT_MAX_NUM_SEQS = 64  # sequences per step when neither the flag nor an engine says

@@ -1,5 +1,5 @@
-"""Attention over the paged KV cache: metadata shared by all backends, a torch backend
-(CPU) and the Triton backend (CUDA, from ``kiln.kernels``)."""
+"""Attention over the paged KV cache: the metadata of a step's batch and the backend that
+picks the Triton kernels (CUDA) or the torch references (CPU) of ``kiln.kernels``."""
 
 from .metadata import AttentionMetadata
 

@@ -1,85 +1,87 @@
 """Chooses the attention implementation per device: Triton kernels from ``kiln.kernels`` on
-CUDA, the torch gather + SDPA path on CPU."""
+CUDA (launched with the engine's ``KernelOptions``), the torch references of
+``kiln.kernels.reference`` on the CPU (plus a compact dequantized view of an fp8 cache)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+import importlib
+import importlib.util
 
 import torch
 
-from . import torch_backend
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+from kiln.kernels.reference import paged_attention_ref, reshape_and_cache_ref
+
 from .metadata import AttentionMetadata
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    try:
-        import kiln.kernels as k  # noqa: PLC0415
-    except Exception:  # pragma: no cover
+    """``(attention, cache)`` kernel modules of ``kiln.kernels``, or None without Triton."""
+    if importlib.util.find_spec("triton") is None:
         return None
-    return k if all(hasattr(k, n) for n in ("paged_attention", "reshape_and_cache", "rotary_and_cache")) else None
-
-
-# Rotary embedding and KV-cache write in one kernel on CUDA (``kiln.kernels.cache.
-# rotary_and_cache``); KILN_FUSED_ROPE_KV=0 runs them as two kernels (A/B benchmarks).
-FUSED_ROPE_KV = os.environ.get("KILN_FUSED_ROPE_KV", "1").strip() not in ("0", "false", "off")
+    return importlib.import_module("kiln.kernels.attention"), importlib.import_module("kiln.kernels.cache")
 
 
 def rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None,
-                        v_scale=None) -> bool:
-    """Rotate q and k in place by their positions and store k, v at ``slot_mapping`` in one
-    launch, where the fused kernel applies (CUDA); returns False (nothing done) otherwise, and
+                        v_scale=None, options: KernelOptions = DEFAULT_OPTIONS) -> bool:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions (int64 [T]) and store
+    k, v at ``slot_mapping`` (int64 [T], -1 = skip) in one launch, where the fused kernel
+    applies (CUDA with ``options.fused_rope_kv``); returns False (nothing done) otherwise, and
     the caller runs the rotary embedding and ``write_kv_cache`` separately."""
-    kern = _kernels() if q.is_cuda and FUSED_ROPE_KV else None
+    kern = _kernels() if q.is_cuda and options.fused_rope_kv else None
     if kern is None:
         return False
-    kern.rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    kern[1].rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                             options=options)
     return True
 
 
-def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Store [T, Hkv, D] K/V rows at ``slot_mapping`` (int64 [T], -1 = skip)."""
-    k = _kernels() if key.is_cuda else None
-    if k is not None:
-        k.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
+                   options: KernelOptions = DEFAULT_OPTIONS) -> None:
+    """Store [T, Hkv, D] K/V rows at ``slot_mapping`` (int64 [T], -1 = skip) into the caches
+    ``[num_blocks, block_size, Hkv, D]`` (fp8 caches: divided by the scales, saturated)."""
+    kern = _kernels() if key.is_cuda else None
+    if kern is not None:
+        kern[1].reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, options=options)
         return
-    if k_scale is not None:  # clamp: casting past +-448 to float8_e4m3fn gives NaN
-        key = (key.float() / k_scale).clamp(-448.0, 448.0)
-        value = (value.float() / v_scale).clamp(-448.0, 448.0)
-    torch_backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                    use_kernels: bool | None = None):
-    """Causal attention over the paged cache; see ``torch_backend.paged_attention``.
+                    use_kernels: bool | None = None, options: KernelOptions = DEFAULT_OPTIONS):
+    """Causal attention of ``q`` [T, Hq, D] over the paged caches ``[num_blocks, block_size,
+    Hkv, D]`` for the batch ``meta`` -> [T, Hq, D] in q's dtype
+    (``kiln.kernels.reference.paged_attention_ref`` semantics).
 
-    ``use_kernels``: None picks the Triton kernels for CUDA tensors and the torch path
+    ``use_kernels``: None picks the Triton kernels for CUDA tensors and the torch reference
     otherwise; True forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``).
     """
-    k = _kernels() if (q.is_cuda if use_kernels is None else use_kernels) else None
-    if k is not None:
+    kern = _kernels() if (q.is_cuda if use_kernels is None else use_kernels) else None
+    if kern is not None:
+        attn = kern[0].paged_attention
         nd = meta.num_decodes
         if 0 < nd < meta.num_seqs and meta.prefill_query_start_loc is not None:
             # A mixed batch: decodes through the decode kernel (query heads of a KV head in
             # one program, split-K), prefill chunks through the prefill kernel, so decode
             # rows do not pad the prefill kernel's query blocks (vLLM splits batches alike).
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            k.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                              meta.query_start_loc[: nd + 1], scale, k_scale, v_scale, out=out[:nd],
-                              max_query_len=1, max_seq_len=meta.max_decode_seq_len or None)
-            k.paged_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                              meta.prefill_query_start_loc, scale, k_scale, v_scale, out=out[nd:],
-                              max_query_len=meta.max_query_len,
-                              max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None)
+            attn(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                 meta.query_start_loc[: nd + 1], scale, k_scale, v_scale, out=out[:nd],
+                 max_query_len=1, max_seq_len=meta.max_decode_seq_len or None, options=options)
+            attn(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
+                 meta.prefill_query_start_loc, scale, k_scale, v_scale, out=out[nd:],
+                 max_query_len=meta.max_query_len,
+                 max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None, options=options)
             return out
-        return k.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 scale, k_scale, v_scale, max_query_len=meta.max_query_len,
-                                 max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None)
+        return attn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                    scale, k_scale, v_scale, max_query_len=meta.max_query_len,
+                    max_seq_len=meta.max_seq_len if meta.max_seq_len > 0 else None, options=options)
     if k_scale is not None:  # fp8 cache on CPU: dequantize only the blocks this batch reads
         k_cache, v_cache, meta = _dequantize_used_blocks(k_cache, v_cache, meta, q.dtype, k_scale, v_scale)
-    return torch_backend.paged_attention(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
 
 
 def _dequantize_used_blocks(k_cache, v_cache, meta: AttentionMetadata, dtype: torch.dtype, k_scale, v_scale):

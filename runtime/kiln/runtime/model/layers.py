@@ -4,18 +4,31 @@ its output features over ``tp_size`` ranks, a row-parallel layer shards its inpu
 and all-reduces.  Each parameter carries a ``weight_loader(param, loaded_weight, shard_id)``
 that copies this rank's slice of a checkpoint tensor, so fused projections (QKV, gate-up)
 load from the checkpoint's separate tensors.  With ``tp_size == 1`` (all that ships today)
-the all-reduce is the identity."""
+the all-reduce is the identity.
+
+Every module that launches kernels carries ``kernel_options`` (``kiln.kernels.options.
+KernelOptions``, the defaults until ``set_kernel_options`` applies an engine's choice)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+from kiln.kernels.reference import build_cos_sin_cache
+
 from . import ops
+
+
+def set_kernel_options(model: nn.Module, options: KernelOptions) -> None:
+    """Give every module of ``model`` that launches kernels (it has a ``kernel_options``
+    attribute) the engine's ``options``; quantized linears read them from their layer."""
+    for mod in model.modules():
+        if hasattr(mod, "kernel_options"):
+            mod.kernel_options = options
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
@@ -40,6 +53,8 @@ class LinearBase(nn.Module):
     ``ops.linear``: ``F.linear``, or on CUDA at small M the Triton GEMV where it beats cuBLAS.
     """
 
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.in_features = in_features
@@ -51,7 +66,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.kernel_options)
 
 
 class ReplicatedLinear(LinearBase):
@@ -188,16 +203,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     bias = None  # read by LinearMethod.apply
     quant_method = None
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [S, hidden] (model dtype) -> float32 logits [S, vocab]."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, out_dtype=torch.float32)
-        return ops.linear(hidden, self.weight, out_dtype=torch.float32)
+        return ops.linear(hidden, self.weight, None, self.kernel_options, out_dtype=torch.float32)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (``forward(x, residual)``)."""
+
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -207,56 +225,29 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse RoPE frequencies, float32 [head_dim // 2].
-
-    ``rope_scaling`` "linear" divides the frequencies by ``factor``; "llama3" applies
-    Llama 3.1's wavelength-dependent scaling (Meta, 2024; same rule as transformers'
-    ``_compute_llama3_parameters``): long wavelengths are divided by ``factor``, short ones
-    kept, and the band in between interpolated smoothly.
-    """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not rope_scaling:
-        return inv_freq
-    rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    factor = float(rope_scaling.get("factor", 1.0))
-    if rtype == "linear":
-        return inv_freq / factor
-    if rtype == "llama3":
-        low = float(rope_scaling.get("low_freq_factor", 1.0))
-        high = float(rope_scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(rope_scaling.get("original_max_position_embeddings", 8192))
-        low_wavelen = old_ctx / low
-        high_wavelen = old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+            return ops.rms_norm(x, self.weight, self.eps, self.kernel_options)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.kernel_options)
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the float32 ``[max_position, head_dim]`` cos|sin table and applies RoPE."""
+    """Holds the float32 ``[max_position, head_dim]`` cos|sin table (``reference.
+    build_cos_sin_cache``: default, linear and Llama-3 scaling) and applies RoPE."""
+
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None):
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_position, base, rope_scaling),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.kernel_options)
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU activation on a fused gate|up tensor."""
 
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
+        return ops.silu_and_mul(x, self.kernel_options)

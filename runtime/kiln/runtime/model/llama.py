@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+
 from ..attention import AttentionMetadata
 from ..attention import backend as attn_backend
 from .config import ModelConfig
@@ -26,6 +28,7 @@ from .layers import (
     SiluAndMul,
     VocabParallelEmbedding,
     default_weight_loader,
+    set_kernel_options,
 )
 
 
@@ -35,6 +38,8 @@ class PagedAttention(nn.Module):
     ``k_cache``/``v_cache`` ([num_blocks, block_size, Hkv, D]) are bound by the model
     runner after it allocates the pool (``bind_kv_cache``).
     """
+
+    kernel_options: KernelOptions = DEFAULT_OPTIONS
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -55,8 +60,9 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache not bound: call ModelRunner.allocate_kv_cache first")
         if not kv_written:
             attn_backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale,
-                                        self.v_scale)
-        return attn_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+                                        self.v_scale, options=self.kernel_options)
+        return attn_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                            options=self.kernel_options)
 
 
 class LlamaAttention(nn.Module):
@@ -86,7 +92,7 @@ class LlamaAttention(nn.Module):
         a = self.attn
         if a.k_cache is not None and attn_backend.rotary_and_write_kv(
                 positions, q, k, v, self.rotary_emb.cos_sin_cache, a.k_cache, a.v_cache, meta.slot_mapping,
-                a.k_scale, a.v_scale):
+                a.k_scale, a.v_scale, options=a.kernel_options):
             out = a(q, k, v, meta, kv_written=True)  # one kernel rotated q, k and wrote the cache
         else:
             q, k = self.rotary_emb(positions, q, k)
@@ -150,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids [T] int64, positions [T] int64, meta) -> hidden [T, hidden]``;
     ``compute_logits(hidden [S, hidden]) -> float32 [S, vocab]`` for the rows to sample.
+    ``kernel_options`` (the engine's kernel choices) go to every layer that launches kernels.
     """
 
     # HF checkpoint names -> (fused parameter, shard id)
@@ -161,13 +168,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1, tp_rank: int = 0,
+                 kernel_options: KernelOptions = DEFAULT_OPTIONS):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, tp_size, tp_rank)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        set_kernel_options(self, kernel_options)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import int4
-from .base import QuantHandler, check_group_size, register
+from .base import QuantHandler, check_group_size
 from .int4 import Int4LinearMethod, store_int4
 
 N_GRID = 20  # grid points of the scale exponent r
@@ -183,6 +183,3 @@ class AwqHandler(QuantHandler):
             norm.weight.div_(s.to(norm.weight.dtype))
             sc, zr = search_clip(stats.samples / s, w, G)
             store_int4(head, int4.quantize_with(w, sc, zr, G), sc, zr, G)
-
-
-register("int4-awq", AwqHandler, lambda settings, name: Int4LinearMethod(settings.group_size))

@@ -11,7 +11,8 @@ never branches on the method.  Each method has two halves:
   them by name, and ``apply(layer, x)`` computes the layer's output (installed as
   ``layer.quant_method``; ``LinearBase.forward`` calls it).
 
-``convert_for_runtime(model, method, settings)`` does the second half for a whole model.
+``registry.convert_for_runtime(model, settings)`` does the second half for a whole model;
+``registry.METHOD_TABLE`` names each method's two halves (this module imports none of them).
 The quantized linears are every ``LinearBase`` inside the decoder layers (QKV, output,
 gate-up and down projections); embeddings stay in the model dtype, and so does the LM head
 unless ``QuantSettings.lm_head`` (int4 methods: ``QuantHandler.quantize_lm_head``).
@@ -19,8 +20,9 @@ unless ``QuantSettings.lm_head`` (int4 methods: ``QuantHandler.quantize_lm_head`
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -59,7 +61,7 @@ class QuantSettings:
         d: dict[str, Any] = {"method": self.method}
         if self.method.startswith("int4"):
             d["group_size"] = self.group_size
-            d["format"] = "int4-packed-k8-asym"  # see quantization/int4.py
+            d["format"] = "int4-packed-k8-asym"  # kiln.kernels.int4_format
             if self.lm_head:
                 d["lm_head"] = True
         if self.method == "int8-smoothquant":
@@ -202,53 +204,26 @@ def check_group_size(model: nn.Module, group_size: int) -> None:
                 f"group sizes that fit this model: {ok or 'none'}")
 
 
-_HANDLERS: dict[str, Callable[[QuantSettings], QuantHandler]] = {}
-_LINEAR_METHODS: dict[str, Callable[[QuantSettings, str], LinearMethod | None]] = {}
+def cached_dequant(layer, make) -> torch.Tensor:
+    """A dequantized weight kept on the layer for the CPU path, rebuilt when any of the layer's
+    own parameters or buffers (weight, scales, zero points, ...) changes: another tensor object
+    (weak references, so a new buffer at a freed buffer's address is not taken for the old
+    one) or an in-place write (version counters).
 
-
-def register(method: str, handler: Callable[[QuantSettings], QuantHandler],
-             linear: Callable[[QuantSettings, str], LinearMethod | None]) -> None:
-    _HANDLERS[method] = handler
-    _LINEAR_METHODS[method] = linear
-
-
-def _load_all() -> None:
-    from . import awq, fp8, gptq, smoothquant  # noqa: F401, PLC0415  (they register themselves)
-
-
-def get_handler(settings: QuantSettings) -> QuantHandler:
-    """The offline handler for ``settings.method``.  Raises ``QuantizationError`` when unknown."""
-    _load_all()
-    if settings.method == "none":
-        return NoQuantHandler(settings)
-    if settings.method not in _HANDLERS:
-        raise QuantizationError(f"unknown quantization method {settings.method!r}; choose one of {', '.join(METHODS)}")
-    return _HANDLERS[settings.method](settings)
-
-
-def convert_for_runtime(model: nn.Module, settings: QuantSettings) -> None:
-    """Prepare a freshly built model to receive a quantized engine's tensors: every decoder
-    linear gets empty quantized buffers and its ``quant_method``.  No-op for ``none``.
-
-    Raises:
-        QuantizationError: unknown method.
+    Args:
+        layer: the linear layer (``nn.Module``) that owns the quantized tensors.
+        make: builds the dequantized weight (e.g. float [N, K] in the activations' dtype).
+    Returns:
+        what ``make`` returned, from the cache when nothing changed.
     """
-    if settings.method == "none":
-        return
-    _load_all()
-    if settings.method not in _LINEAR_METHODS:
-        raise QuantizationError(f"unknown quantization method {settings.method!r}; choose one of {', '.join(METHODS)}")
-    for name, mod in model_linears(model):
-        lm = _LINEAR_METHODS[settings.method](settings, name)
-        if lm is not None:
-            lm.create_weights(mod, name)
-            mod.quant_method = lm
-    if settings.lm_head:
-        lm = _LINEAR_METHODS[settings.method](settings, "lm_head")
-        if lm is None:
-            raise QuantizationError(f"{settings.method} has no quantized LM head")
-        lm.create_weights(model.lm_head, "lm_head")  # replaces the (maybe tied) weight on the head only
-        model.lm_head.quant_method = lm
+    srcs = [t for t in list(layer._parameters.values()) + list(layer._buffers.values()) if t is not None]
+    key = tuple((t._version, t.device) for t in srcs)
+    hit = getattr(layer, "_kiln_dequant", None)
+    if (hit is None or hit[1] != key or len(hit[0]) != len(srcs)
+            or any(ref() is not t for ref, t in zip(hit[0], srcs))):
+        hit = ([weakref.ref(t) for t in srcs], key, make())
+        layer._kiln_dequant = hit
+    return hit[2]
 
 
 class NoQuantHandler(QuantHandler):

@@ -37,12 +37,15 @@ numbers are the GPU's up to that accumulation difference.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from .base import TRUE_SEQUENTIAL, LinearMethod, QuantHandler, QuantSettings, decoder_linears, register, replace_weight
+from kiln.kernels.reference import per_token_quant_fp8_ref
+
+from .base import TRUE_SEQUENTIAL, LinearMethod, QuantHandler, QuantSettings, cached_dequant, decoder_linears, \
+    replace_weight
+from .gptq import gptq_sweep
+from .smoothquant import smooth_layer
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -51,32 +54,9 @@ DAMP = 0.01  # GPTQ dampening (fraction of mean diag H)
 SMOOTH_ALPHA = 0.5  # SmoothQuant migration strength of the folded smoothing
 
 
-def quantize_rows_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row FP8 quantization.
-
-    Args:
-        t: float [R, C].
-    Returns:
-        (float8_e4m3fn [R, C], float32 scales [R, 1]) with ``t ≈ q * scale``.
-    """
-    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
-
-
-def cached_dequant(layer, make) -> torch.Tensor:
-    """A dequantized weight kept on the layer for the CPU path, rebuilt when any of the layer's
-    own parameters or buffers (weight, scales, zero points, ...) changes: another tensor object
-    (weak references, so a new buffer at a freed buffer's address is not taken for the old
-    one) or an in-place write (version counters)."""
-    srcs = [t for t in list(layer._parameters.values()) + list(layer._buffers.values()) if t is not None]
-    key = tuple((t._version, t.device) for t in srcs)
-    hit = getattr(layer, "_kiln_dequant", None)
-    if (hit is None or hit[1] != key or len(hit[0]) != len(srcs)
-            or any(ref() is not t for ref, t in zip(hit[0], srcs))):
-        hit = ([weakref.ref(t) for t in srcs], key, make())
-        layer._kiln_dequant = hit
-    return hit[2]
+# Symmetric per-row FP8: float [R, C] -> (float8_e4m3fn [R, C], float32 scales [R, 1]) with
+# ``t ≈ q * scale``; the one torch version of the per-token quantizer (``kiln.kernels.reference``).
+quantize_rows_fp8 = per_token_quant_fp8_ref
 
 
 def _scaled_mm_ok(x: torch.Tensor, layer) -> bool:
@@ -165,8 +145,6 @@ def gptq_fp8(w: torch.Tensor, hessian: torch.Tensor, damp: float = DAMP,
     Returns:
         (float8_e4m3fn [N, K], float32 scales [N]).
     """
-    from .gptq import gptq_sweep  # noqa: PLC0415  (gptq imports int4; keep fp8's import light)
-
     W = w.float()
     scale = search_row_scales(W, torch.diag(hessian)) if scale_search else \
         W.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
@@ -202,8 +180,6 @@ class Fp8Handler(QuantHandler):
         return frozenset({"absmax"}) if self.alpha > 0 else frozenset()
 
     def prepare_layer(self, layer, prefix, stats) -> None:
-        from .smoothquant import smooth_layer  # noqa: PLC0415
-
         smooth_layer(layer, stats, self.alpha)
 
     def quantize_layer(self, layer, prefix, stats) -> None:
@@ -224,5 +200,3 @@ class Fp8Handler(QuantHandler):
     def linear_method(self):
         return Fp8LinearMethod()
 
-
-register("fp8", Fp8Handler, lambda settings, name: Fp8LinearMethod())

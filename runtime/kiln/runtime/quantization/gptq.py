@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from . import int4
-from .base import TRUE_SEQUENTIAL, QuantHandler, check_group_size, decoder_linears, register
+from .base import TRUE_SEQUENTIAL, QuantHandler, check_group_size, decoder_linears
 from .int4 import Int4LinearMethod, store_int4
 
 DAMP = 0.01  # fraction of mean(diag H) added to the diagonal
@@ -194,6 +194,3 @@ class GptqHandler(QuantHandler):
         with torch.no_grad():
             q, s, z = gptq_quantize(head.weight.float(), stats.hessian, G, damp)
             store_int4(head, q, s, z, G)
-
-
-register("int4-gptq", GptqHandler, lambda settings, name: Int4LinearMethod(settings.group_size))

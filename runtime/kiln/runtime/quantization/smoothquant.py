@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import LinearMethod, QuantHandler, QuantSettings, register, replace_weight
-from .fp8 import cached_dequant
+from .base import LinearMethod, QuantHandler, QuantSettings, cached_dequant, replace_weight
 
 RUNTIME_SMOOTHED = ("o_proj",)  # linears whose smoothing factor is applied at run time
 
@@ -140,7 +139,3 @@ class SmoothQuantHandler(QuantHandler):
                     bufs["smooth_inv"] = smooth_inv.float()
                 replace_weight(mod, bufs)
                 mod.quant_method = Int8LinearMethod(runtime_smooth=smooth_inv is not None)
-
-
-register("int8-smoothquant", SmoothQuantHandler,
-         lambda settings, name: Int8LinearMethod(runtime_smooth=name.rsplit(".", 1)[-1] in RUNTIME_SMOOTHED))

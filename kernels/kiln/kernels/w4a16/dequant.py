@@ -1,22 +1,22 @@
 """Dequantize the packed int4 format to a float16/bfloat16 weight (``KERNEL: "dequant"``).
 
 For large M (prefill, big batches) a W4A16 GEMM is compute-bound, and the tensor-core kernel
-that dequantizes every weight tile in its main loop (``w4a16._mma_kernel``) spends most of its
+that dequantizes every weight tile in its main loop (``mma``) spends most of its
 time on the dequantization: on an H200 it ran 5-15x slower than bf16 cuBLAS at M = 128 on the
 Llama-3.1-8B projections.  Writing the whole weight out once per call (``N K`` 16-bit values,
 235 MB for gate_up) and then running cuBLAS costs one extra weight pass and wins from M = 65
-on: H200, session 8 (docs/benchmarks.md, ``gpu_bench --only w4a16-large``): dequantization
+on: H200 (docs/benchmarks.md, ``benchmarks/gpu_bench.py --only w4a16-large``): dequantization
 alone 22 us (o) to 135 us (gate_up), 1.6-1.75 TB/s written; the whole GEMM at M = 128 45 vs
 168 us (qkv) and 199 vs 343 us (gate_up) for ``mma``, at 2048 1.2x bf16 cuBLAS.  vLLM's AWQ
 path does the same above 256 tokens (``awq_dequantize`` + ``torch.matmul``); the code here is
 Kiln's own.
 
 The kernel: a program turns the packed words of ``BLOCK_N`` columns x ``BLOCK_K`` K columns
-(format in ``w4a16``'s docstring: nibble ``i`` of packed row ``8 b + r`` is ``W[n, 64 b + 8 i +
+(``kiln.kernels.int4_format``: nibble ``i`` of packed row ``8 b + r`` is ``W[n, 64 b + 8 i +
 r]``) into ``W[n, k] = (q - z) * s`` (float32, rounded once), scale and zero point per (group,
 column), laid out so that the stores into ``W`` ``[N, K]`` (row-major) are whole 128-byte
-lines (an earlier layout that stored 16-byte pieces of 32 rows per instruction wrote at
-0.42 TB/s, this one at 1.6-1.75).
+lines (1.6-1.75 TB/s written; storing 16-byte pieces of 32 rows per instruction writes at
+0.42 TB/s).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_kwargs, pdl_start
+from kiln.kernels.options import DEFAULT_OPTIONS, KernelOptions
+from kiln.kernels.pdl import launch_kwargs, pdl_start
 
 
 @triton.jit
@@ -57,13 +58,15 @@ def _dequant_kernel(
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, dtype: torch.dtype,
-               block_n: int = 32, block_k: int = 256, num_warps: int = 8) -> torch.Tensor:
+               block_n: int = 32, block_k: int = 256, num_warps: int = 8,
+               options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``W`` [N, K] in ``dtype`` (float16/bfloat16/float32) from the packed format.
 
     Args:
         qweight: int32 [K // 8, N]; scales: float [K // G, N]; qzeros: uint8 [K // G, N] (any
             strides; shapes checked by the caller, ``w4a16.w4a16_gemm``).
         block_n, block_k: the tile of W per program (powers of two, ``block_k % 64 == 0``).
+        options: the engine's kernel options (programmatic dependent launch).
     Returns:
         a new contiguous tensor; ``W[n, k] = (code - z) * s`` rounded once to ``dtype``.
     """
@@ -75,5 +78,5 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
     _dequant_kernel[grid](qweight, scales, qzeros, w, N, K, qweight.stride(0), qweight.stride(1), scales.stride(0),
                           scales.stride(1), qzeros.stride(0), qzeros.stride(1), w.stride(0),
                           GROUP_SIZE=G, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                          **launch_kwargs(qweight.device))
+                          **launch_kwargs(qweight.device, options))
     return w

@@ -9,25 +9,24 @@ dequantized values; BLOCK_M = 8 uses ``mma.sync``.  Swapping A and B for small M
 TensorRT-LLM's "swapAB" GEMMs and vLLM's Machete (mixed-input GEMM on Hopper) do; the code
 here is Kiln's own.
 
-Dequantization, two weights per instruction: a packed word of the format (``w4a16``'s
-docstring: nibble ``i`` of packed row ``r`` in block ``b`` is ``W[n, 64 b + 8 i + r]``) ANDed
+Dequantization, two weights per instruction: a packed word of the format (``kiln.kernels.int4_format``: nibble ``i`` of packed row ``r`` in block ``b`` is ``W[n, 64 b + 8 i + r]``) ANDed
 with ``0x000F000F`` after a right shift by ``4 t`` holds nibbles ``t`` and ``t + 4`` in the low
 bits of its two 16-bit halves; OR-ing ``0x4300`` (bfloat16 128.0) or ``0x6400`` (float16
 1024.0) into both halves (one LOP3 for AND and OR) gives the exact pair ``(OFFSET + q_t,
 OFFSET + q_{t+4})`` as one packed register: the pair of consecutive K elements that a
 tensor-core A fragment register holds.  So the dot's K order is a permutation of the true K
 columns (element ``2 r + j`` of pair set ``t`` is column ``64 (r // 8) + 8 (t + 4 j) + r % 8``)
-and x's B operands are cut from its step tile in the same order.  Per group and column the offset and zero point come off
-the float32 dot result: ``sum_k (q - z) s x = s (sum (OFFSET + q) x - (OFFSET + z) sum x)``
+and x's B operands are cut from its step tile in the same order.  Per group and column the offset
+and zero point come off the float32 dot result: ``sum_k (q - z) s x = s (sum (OFFSET + q) x - (OFFSET + z) sum x)``
 (``GROUP_SIZE % BLOCK_K == 0``: one group per step).  Offline sm_90 SASS of the loop
 (BLOCK_N 128, BLOCK_K 128, M 16, 4 warps): ~0.13 warp instructions per weight, against ~0.20
-for ``w4a16._mma_kernel`` (float32 nibbles converted to bfloat16).
+for the ``mma`` kernel (float32 nibbles converted to bfloat16).
 
 x is read once per step as a ``[BLOCK_K, BLOCK_M]`` tile and cut into the four B operands with
 reshape / permute / split (per-element gathers of x cost 33 scalar loads per thread and step,
 on the critical path); with ``PREFETCH`` the x tile, scales and zero points of the next step
 are loaded while the current one is computed (Triton's pipeliner only stages the weights).
-H200, Llama-3.1-8B projections (docs/benchmarks.md, session 6): gather -> tile + prefetch took
+H200, Llama-3.1-8B projections (docs/benchmarks.md, "W4A16"): gather -> tile + prefetch took
 gate_up at M = 8 from 47.0 to 39.2 us and down from 29.7 to 22.5 us; the kernel is the fastest
 at M = 4..16 (1.13-1.72x bf16 cuBLAS), the packed-half GEMV (``gemv2``) at M = 1, 2.  Its time
 hardly depends on M (gate_up 38-41 us for M = 1..16, ~1.5 TB/s): neither issue (~12 us of
@@ -44,8 +43,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_start
-from .w4a16 import _finish
+from kiln.kernels.pdl import pdl_start
+from kiln.kernels.splitk import finish_tile as _finish
 
 # one LOP3 per packed word (already shifted right by 4 t): AND 0x000F000F, OR the offset's bits
 _LOP3_BF16 = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;")  # 128 + q (bfloat16)
