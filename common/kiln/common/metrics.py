@@ -30,6 +30,8 @@ MODEL_NAME_LABEL = "model_name"  # on every metric: the served model's name
 # Histogram buckets in seconds: request latencies, and the time between two output tokens.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# Tokens computed by one engine step.
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class MetricSpec:
         type: ``histogram``, ``gauge`` or ``counter``.
         help: the ``# HELP`` text.
         labels: label names besides ``model_name`` (which every metric has).
-        buckets: histogram bucket upper bounds in seconds; empty for other types.
+        buckets: histogram bucket upper bounds in the metric's unit; empty for other types.
     """
 
     name: str
@@ -70,6 +72,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kiln_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache."),
     MetricSpec("kiln_request_success_total", "counter", "Finished requests by reason.",
                labels=("finished_reason",)),
+    MetricSpec("kiln_prompt_tokens_cached_total", "counter",
+               "Prompt tokens served from the prefix cache instead of computed."),
+    MetricSpec("kiln_request_prefill_time_seconds", "histogram",
+               "First scheduling to first token: the prefill stage (seconds).", buckets=LATENCY_BUCKETS),
+    MetricSpec("kiln_request_decode_time_seconds", "histogram",
+               "First token to finish: the decode stage (seconds).", buckets=LATENCY_BUCKETS),
+    MetricSpec("kiln_iteration_tokens", "histogram", "Tokens computed by one engine step (tokens).",
+               buckets=ITERATION_BUCKETS),
+    MetricSpec("kiln_request_failure_total", "counter",
+               "Requests that failed, by reason (bad_request, not_found, unauthorized, too_large, timeout, "
+               "client_gone, engine_error).", labels=("reason",)),
+    MetricSpec("kiln_detokenize_seconds_total", "counter",
+               "Time the API processes spent detokenizing and matching stop strings (seconds)."),
+    MetricSpec("kiln_process_cpu_seconds", "gauge", "CPU time used by a server process, user + system (seconds).",
+               labels=("process",)),
+    MetricSpec("kiln_process_resident_memory_bytes", "gauge", "Resident memory of a server process (bytes).",
+               labels=("process",)),
 )
 
 METRIC_NAMES = tuple(m.name for m in METRICS)

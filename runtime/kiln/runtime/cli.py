@@ -51,11 +51,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (no CPU/GPU overlap; "
                         "asynchronous scheduling is on for CUDA devices only)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads on the CPU (default: KILN_CPU_THREADS, else one per core)")
+    kern = p.add_argument_group("kernels (CUDA)")
+    kern.add_argument("--no-pdl", action="store_true",
+                      help="launch kernels without programmatic dependent launch (A/B runs, profiles)")
+    kern.add_argument("--no-fused-rope-kv", action="store_true",
+                      help="rotary embedding and KV-cache write as two kernels instead of one")
+    kern.add_argument("--w4a16-dequant-min-m", type=int, default=65, metavar="TOKENS",
+                      help="from this many tokens in a step, int4 GEMMs dequantize the weight and use cuBLAS")
 
 
 def engine_args_from(ns: argparse.Namespace):
+    """``EngineArgs`` from the flags of ``add_engine_args`` (ValueError for invalid values)."""
     from .config import EngineArgs  # noqa: PLC0415
 
+    threads = {} if ns.cpu_threads is None else {"cpu_threads": ns.cpu_threads}  # else KILN_CPU_THREADS
     return EngineArgs(
         model=ns.model, engine=ns.engine, device=ns.device, dtype=ns.dtype,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -64,6 +75,8 @@ def engine_args_from(ns: argparse.Namespace):
         scheduler_policy=ns.scheduler_policy, enable_prefix_caching=not ns.no_prefix_caching,
         load_format=ns.load_format, seed=ns.seed, served_model_name=getattr(ns, "served_model_name", None),
         enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,
+        pdl=not ns.no_pdl, fused_rope_kv=not ns.no_fused_rope_kv, w4a16_dequant_min_m=ns.w4a16_dequant_min_m,
+        **threads,
     )
 
 
@@ -85,7 +98,8 @@ def check_can_listen(host: str, port: int) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    """Run ``kiln serve``: check the flags and the port, load the engine, serve until SIGTERM."""
+    """Run ``kiln serve``: check the flags and the port, start the engine core process, then
+    the API server process(es); serve until SIGTERM."""
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {ns.port}")
     if ns.served_model_name is not None and not ns.served_model_name.strip():
@@ -96,24 +110,40 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                          "control characters (clients must send the name exactly)")
     if not 0 <= ns.shutdown_timeout <= 3600:
         raise ValueError(f"--shutdown-timeout must be between 0 and 3600 seconds, got {ns.shutdown_timeout}")
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("KILN_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key (or KILN_API_KEY) is empty: give a key, or leave it out to serve without one")
+    for flag, value, low in (("--api-server-count", ns.api_server_count, 1),
+                             ("--max-request-sequences", ns.max_request_sequences, 1),
+                             ("--max-chat-messages", ns.max_chat_messages, 1),
+                             ("--max-request-body-bytes", ns.max_request_body_bytes, 1024)):
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    for flag, value in (("--request-body-timeout", ns.request_body_timeout), ("--header-timeout", ns.header_timeout)):
+        if not 0 < value <= 3600:
+            raise ValueError(f"{flag} must be in (0, 3600] seconds, got {value}")
+    if ns.protect_metrics and not api_key:
+        raise ValueError("--protect-metrics needs an API key (--api-key or KILN_API_KEY)")
     check_can_listen(ns.host, ns.port)
     from .compile_cache import ensure_writable_cache_dir  # noqa: PLC0415
 
     ensure_writable_cache_dir()  # before the first Triton compile (the warm-up)
 
-    import uvicorn  # noqa: PLC0415
+    from .engine_core.client import CoreStartError  # noqa: PLC0415
+    from .server.launcher import ServeOptions, serve  # noqa: PLC0415
+    from .server.serving import ServerLimits  # noqa: PLC0415
 
-    from .engine import LLMEngine  # noqa: PLC0415
-    from .server.api import build_app  # noqa: PLC0415
-
-    api_key = ns.api_key or os.environ.get("KILN_API_KEY") or None
-    engine = LLMEngine(engine_args_from(ns))
-    app = build_app(engine, api_key=api_key)
-    # on SIGTERM: stop accepting, let running requests finish for up to --shutdown-timeout seconds
-    # (the operator's pods have 60 s of grace), then cancel the rest
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
-                timeout_graceful_shutdown=ns.shutdown_timeout)
-    return 0
+    opts = ServeOptions(
+        host=ns.host, port=ns.port, api_key=api_key, api_server_count=ns.api_server_count,
+        limits=ServerLimits(ns.max_request_sequences, ns.max_chat_messages, ns.max_request_body_bytes,
+                            ns.request_body_timeout),
+        protect_metrics=ns.protect_metrics, shutdown_timeout=ns.shutdown_timeout, header_timeout=ns.header_timeout,
+        log_level=ns.log_level)
+    try:
+        return serve(engine_args_from(ns), opts)
+    except CoreStartError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -122,10 +152,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=HTTP_PORT)
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the source)")
-    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (env KILN_API_KEY)")
+    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/* and the v2 generate "
+                   "endpoints (env KILN_API_KEY); an empty key is an error")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="also require the API key on /metrics and the API docs pages (/docs, /openapi.json)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes on the port (HTTP, tokenization, detokenization), all in front "
+                        "of one engine core process (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=45.0,
                    help="seconds that running requests get to finish after SIGTERM (default: %(default)s; the "
                         "operator's pods have a 60 s grace period)")
+    p.add_argument("--max-request-sequences", type=int, default=256,
+                   help="prompts x n of one request at most (default: %(default)s)")
+    p.add_argument("--max-chat-messages", type=int, default=1024,
+                   help="messages of one chat request at most (default: %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="request body size at most; larger bodies get 413 (default: %(default)s)")
+    p.add_argument("--request-body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive; slower ones get 408 (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a new connection may take to send its request headers (default: %(default)s)")
 
 
 def add_operator_args(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,16 @@
 """Prometheus metrics, built from the torch-free table ``kiln.common.metrics.METRICS`` (names,
 types, help texts, buckets and labels are spelled there once, for the server and the
 operator).  ``kiln_request_queue_time_seconds`` (arrival to first scheduling) is the
-autoscaling signal."""
+autoscaling signal.
+
+The registry lives in the engine core's process (it sees every step and every sequence,
+whatever the number of API processes); the API processes add their counters through
+``on_api_stats`` and read the text through the core's metrics socket.
+"""
 
 from __future__ import annotations
 
+import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kiln.common.metrics import METRICS, MODEL_NAME_LABEL, MetricSpec
@@ -19,12 +25,13 @@ def _build(spec: MetricSpec, registry: CollectorRegistry):
 
 
 class Metrics:
-    """All of the server's metrics in their own registry; implements the engine's
+    """All of the server's metrics in their own registry; implements the engine core's
     ``StatLogger`` protocol.  ``model_name`` becomes the ``model_name`` label."""
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         built = {spec.name: _build(spec, self.registry) for spec in METRICS}
+        self._built = built
 
         def one(name: str):  # the metric's child for this model (metrics without extra labels)
             return built[name].labels(model_name)
@@ -33,17 +40,22 @@ class Metrics:
         self.ttft = one("kiln_time_to_first_token_seconds")
         self.tpot = one("kiln_time_per_output_token_seconds")
         self.e2e = one("kiln_e2e_request_latency_seconds")
+        self.prefill_time = one("kiln_request_prefill_time_seconds")
+        self.decode_time = one("kiln_request_decode_time_seconds")
         self.running = one("kiln_num_requests_running")
         self.waiting = one("kiln_num_requests_waiting")
         self.kv_usage = one("kiln_kv_cache_usage_ratio")
         self.prompt_tokens = one("kiln_prompt_tokens_total")
+        self.prompt_tokens_cached = one("kiln_prompt_tokens_cached_total")
         self.generation_tokens = one("kiln_generation_tokens_total")
+        self.iteration_tokens = one("kiln_iteration_tokens")
         self.preemptions = one("kiln_num_preemptions_total")
         self.prefix_queries = one("kiln_prefix_cache_queries_total")
         self.prefix_hits = one("kiln_prefix_cache_hits_total")
-        self._success = built["kiln_request_success_total"]  # labelled per finish by finished_reason
+        self.detokenize = one("kiln_detokenize_seconds_total")
         self.model_name = model_name
         self._last = {"preempt": 0, "queries": 0, "hits": 0}
+        self._proc = psutil.Process()
 
     # StatLogger
     def on_scheduled(self, queue_seconds: float) -> None:
@@ -58,32 +70,52 @@ class Metrics:
         """A request produced another token, ``itl_seconds`` after its previous one."""
         self.tpot.observe(max(0.0, itl_seconds))
 
-    def on_finish(self, e2e_seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
-                  finish_reason: str) -> None:
-        """A request finished (``finish_reason``: stop, length, abort...)."""
-        self.e2e.observe(max(0.0, e2e_seconds))
-        self._success.labels(self.model_name, finish_reason).inc()
+    def on_finish(self, stats) -> None:
+        """A request finished (``stats``: the core's ``FinishedStats``)."""
+        self.e2e.observe(max(0.0, stats.finish_time - stats.arrival_time))
+        if stats.first_scheduled_time is not None and stats.first_token_time is not None:
+            self.prefill_time.observe(max(0.0, stats.first_token_time - stats.first_scheduled_time))
+        if stats.first_token_time is not None:
+            self.decode_time.observe(max(0.0, stats.finish_time - stats.first_token_time))
+        self._built["kiln_request_success_total"].labels(self.model_name, stats.finish_reason).inc()
 
-    def on_step(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        """One engine step computed these prompt tokens and generated these tokens."""
-        if num_prompt_tokens > 0:
-            self.prompt_tokens.inc(num_prompt_tokens)
-        if num_generation_tokens > 0:
-            self.generation_tokens.inc(num_generation_tokens)
-
-    def update_gauges(self, scheduler) -> None:
-        """Refresh gauges and delta-counters from the scheduler (call after each step)."""
-        self.running.set(scheduler.num_running)
-        self.waiting.set(scheduler.num_waiting)
-        self.kv_usage.set(scheduler.kv_cache_usage)
-        kv = scheduler.kv_cache_manager
-        for key, value, counter in (("preempt", scheduler.num_preemptions_total, self.preemptions),
-                                    ("queries", kv.prefix_cache_queries, self.prefix_queries),
-                                    ("hits", kv.prefix_cache_hits, self.prefix_hits)):
+    def on_step(self, stats) -> None:
+        """One engine step (``stats``: the core's ``StepStats``): token counts and gauges.
+        Sent twice per step: after planning (prompt tokens; the gauges hold during a long
+        prefill) and after sampling (generated tokens)."""
+        if stats.num_prompt_tokens > 0:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_scheduled_tokens > 0:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if stats.num_cached_prompt_tokens > 0:
+            self.prompt_tokens_cached.inc(stats.num_cached_prompt_tokens)
+        if stats.num_generation_tokens > 0:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for key, value, counter in (("preempt", stats.num_preemptions_total, self.preemptions),
+                                    ("queries", stats.prefix_cache_queries, self.prefix_queries),
+                                    ("hits", stats.prefix_cache_hits, self.prefix_hits)):
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
                 self._last[key] = value
 
+    def on_api_stats(self, stats) -> None:
+        """An API process's counters (deltas) and resource use (``messages.ApiStats``)."""
+        for reason, n in stats.failures.items():
+            self._built["kiln_request_failure_total"].labels(self.model_name, reason).inc(n)
+        if stats.detokenize_seconds > 0:
+            self.detokenize.inc(stats.detokenize_seconds)
+        self._process(stats.process, stats.cpu_seconds, stats.rss_bytes)
+
+    def _process(self, label: str, cpu_seconds: float, rss_bytes: int) -> None:
+        self._built["kiln_process_cpu_seconds"].labels(self.model_name, label).set(cpu_seconds)
+        self._built["kiln_process_resident_memory_bytes"].labels(self.model_name, label).set(rss_bytes)
+
     def render(self) -> bytes:
-        """The registry in the Prometheus text format (``GET /metrics``)."""
+        """The registry in the Prometheus text format (``GET /metrics``), with this (the
+        core's) process's CPU and memory refreshed."""
+        cpu = self._proc.cpu_times()
+        self._process("core", cpu.user + cpu.system, self._proc.memory_info().rss)
         return generate_latest(self.registry)

@@ -202,3 +202,54 @@ class ChatCompletionRequest(_SamplingFields):
             role = "system" if m.role == "developer" else m.role
             conv.append({"role": role, "content": m.text()})
         return conv
+
+
+class GenerateRequest(BaseModel):
+    """Triton's generate extension (``POST /v2/models/{name}/generate[_stream]``): the inputs
+    of TensorRT-LLM's ensemble by name, as top-level fields, or inside ``parameters``
+    (KServe's spelling).  Unknown fields are refused (a misspelt setting must not be
+    silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text_input: str
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    random_seed: int | None = None  # TensorRT-LLM's name for seed
+    stop: Union[str, list[str], None] = None
+    stop_words: Union[str, list[str], None] = None  # TensorRT-LLM's name for stop
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stream: bool | None = None
+    parameters: dict[str, Any] | None = None
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> "GenerateRequest":
+        """Merge ``parameters`` into the top level (top-level fields win); raises
+        pydantic's ValidationError for unknown or mistyped fields."""
+        params = body.get("parameters")
+        if isinstance(params, dict):
+            body = {**params, **{k: v for k, v in body.items() if k != "parameters"}}
+        return cls.model_validate(body)
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ValueError (-> HTTP 400) for out-of-range values."""
+        if self.seed is not None and self.random_seed is not None and self.seed != self.random_seed:
+            raise ValueError("seed and random_seed differ: give one")
+        stops: list[str] = []
+        for s in (self.stop, self.stop_words):
+            stops += [s] if isinstance(s, str) else list(s or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=-1 if self.top_k == 0 else self.top_k, min_p=self.min_p,
+            seed=self.seed if self.seed is not None else self.random_seed, stop=stops,
+            min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos)

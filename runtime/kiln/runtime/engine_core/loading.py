@@ -1,0 +1,138 @@
+"""Loading a model (a source or a ``kiln build`` engine folder) into a ready model runner:
+weights, KV pool, kernel warm-up and CUDA graphs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from .. import loader
+from ..config import EngineArgs, resolve_batch_limits
+from ..model.config import ModelConfig
+from ..model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model runner with its weights and KV pool, and what the processors need to know.
+
+    Fields:
+        args: the engine settings with the batch limits resolved.
+        runner: the model runner (weights loaded, KV cache allocated, graphs captured).
+        model_config: the architecture.
+        model_ref: the source's spelling, or the engine's.
+        max_model_len: the served context (tokens).
+        eos_token_ids: the model's and the tokenizer's end-of-sequence ids.
+        tokenizer: the transformers tokenizer (None: token ids only).
+        tokenizer_source: how another process loads the same tokenizer (``CoreInfo.tokenizer``).
+        load_seconds: wall time of the load.
+    """
+
+    args: EngineArgs
+    runner: ModelRunner
+    model_config: ModelConfig
+    model_ref: str
+    max_model_len: int
+    eos_token_ids: list[int]
+    tokenizer: object
+    tokenizer_source: tuple[str, str]
+    load_seconds: float
+
+
+def check_max_model_len(args: EngineArgs, cfg: ModelConfig) -> None:
+    """Raises ValueError when ``max_model_len`` is below 2 or exceeds the model's context (vLLM
+    refuses that too: positions past the trained RoPE range give garbage), before any weight
+    is loaded.  None means the default."""
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), "
+                         f"got {args.max_model_len}")
+    if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {args.max_model_len} is larger than the model's context length "
+                         f"({cfg.max_position_embeddings} tokens, max_position_embeddings)")
+
+
+def load_tokenizer(source: tuple[str, str]):
+    """The tokenizer a :class:`LoadedModel` names in ``tokenizer_source`` (for the API
+    processes, which load it themselves).  Raises ModelSourceError for an unreadable one."""
+    kind, where = source
+    if kind == "engine":
+        from ..engine_folder import open_engine  # noqa: PLC0415
+
+        return open_engine(where, verify=False).load_tokenizer()
+    if kind == "source":
+        return loader.load_tokenizer(loader.materialize_gguf(loader.resolve_source(where)))
+    return None
+
+
+def load_model(args: EngineArgs) -> LoadedModel:
+    """Load weights, size and allocate the KV pool, warm the kernels up, capture graphs.
+
+    The served context is ``max_model_len`` (default: min(model's context, 4096), capped by an
+    engine's build ``max_seq_len``).  When the KV pool cannot hold one sequence of that
+    length, an explicit ``max_model_len`` is refused with the numbers, and the default is
+    capped to what the pool holds (logged).
+
+    Raises:
+        ModelSourceError, UnsupportedModelError, ValueError: bad model or settings.
+    """
+    t0 = time.perf_counter()
+    engine_limit = 0  # an engine's build max_seq_len (tokens)
+    if args.engine:
+        from ..engine_folder import open_engine  # noqa: PLC0415  (kiln build's output)
+
+        eng = open_engine(args.engine)
+        cfg: ModelConfig = eng.model_config
+        check_max_model_len(args, cfg)
+        # the engine's build limit (TensorRT-LLM's max_seq_len): serve at most that context
+        engine_limit = int((eng.manifest.get("limits") or {}).get("max_seq_len") or 0)
+        if engine_limit and args.max_model_len and args.max_model_len > engine_limit:
+            raise ValueError(f"max_model_len {args.max_model_len} is larger than the engine's build limit "
+                             f"({engine_limit} tokens, build max_seq_len / build.maxSeqLen); rebuild with a "
+                             f"larger --max-seq-len or serve a shorter context")
+        args = resolve_batch_limits(args, eng.manifest.get("limits"))
+        tokenizer = eng.load_tokenizer()
+        tok_source = ("engine", str(args.engine))
+        model_ref = eng.model_ref
+        runner = ModelRunner(cfg, args)
+        eng.load_into(runner)
+    else:
+        args = resolve_batch_limits(args)
+        src = loader.materialize_gguf(loader.resolve_source(args.model))
+        model_ref = src.ref
+        cfg = loader.load_model_config(src)
+        check_max_model_len(args, cfg)
+        tokenizer = loader.load_tokenizer(src)
+        tok_source = ("source", str(args.model or loader.DEFAULT_MODEL)) if tokenizer is not None else ("none", "")
+        runner = ModelRunner(cfg, args)
+        if args.load_format == "dummy":
+            runner.init_dummy_weights(args.seed)
+        else:
+            runner.load_weights(loader.iter_weights(src))
+    max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+    if engine_limit:
+        max_model_len = min(max_model_len, engine_limit)
+    num_blocks = runner.profile_num_kv_blocks()
+    capacity = num_blocks * args.block_size
+    if capacity < max_model_len:
+        if args.max_model_len:
+            raise ValueError(f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens = {capacity} "
+                             f"tokens, fewer than max_model_len {args.max_model_len}: raise --num-kv-blocks "
+                             f"(or --kv-cache-memory-fraction) or lower --max-model-len")
+        log.warning("the KV cache holds %d tokens (%d blocks of %d); serving a context of %d tokens instead of %d",
+                    capacity, num_blocks, args.block_size, capacity, max_model_len)
+        max_model_len = capacity
+    runner.allocate_kv_cache(num_blocks)
+    if args.kernel_warmup:
+        runner.warmup_kernels(args.max_num_batched_tokens, max_model_len, args.max_num_seqs)
+    runner.capture_cuda_graphs(max_model_len)
+    eos = set(cfg.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    log.info("model loaded in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+             time.perf_counter() - t0, model_ref, runner.device, runner.dtype, num_blocks, args.block_size,
+             max_model_len)
+    return LoadedModel(args, runner, cfg, model_ref, max_model_len, sorted(eos), tokenizer, tok_source,
+                       time.perf_counter() - t0)
