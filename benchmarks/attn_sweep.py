@@ -6,7 +6,7 @@ headline shape (batch 64, context 4096) hides the per-program costs that shorter
 expose, so this sweep times the decode kernel there: launch configs x split counts, each
 checked against the float32 reference on a few sequences, % of the measured copy bandwidth.
 
-    PYTHONPATH=kernels python3 tests/gpu/attn_sweep.py [--batch 384] [--json OUT/attn_sweep.json]
+    python3 benchmarks/attn_sweep.py [--batch 384] [--json OUT/attn_sweep.json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 
 from kiln.kernels import paged_attention, paged_attention_ref
-from kiln.kernels.bench import copy_bandwidth, graph_time
+from kernel_bench import copy_bandwidth, graph_time  # benchmarks/kernel_bench.py
 
 
 def make_problem(batch, lo, hi, Hq=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, fp8=False, seed=0,
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--occupancy", action="store_true", help="BLOCK_N 64-256, 4/8 warps, 2-4 stages, maxnreg caps, 1 split")
     ap.add_argument("--quick", action="store_true", help="a few configs only (BLOCK_N 64/128, 4 warps, 1-3 stages, 1-2 splits)")
     ap.add_argument("--words", action="store_true",
-                    help="fp8, fp8_words 2: BLOCK_N 128/256 x 4 warps x 2-4 stages x maxnreg -/128/168 x 1-2 splits")
+                    help="fp8, V read as int32 words (fp8_v_words): BLOCK_N 128/256 x 4 warps x 2-4 stages x maxnreg -/128/168 x 1-2 splits")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     _, bw = copy_bandwidth()
@@ -90,7 +90,7 @@ def main() -> None:
     if ns.occupancy:  # fp8: more resident warps (8 warps, register caps, deeper pipelines)
         grid = [(bn, w, st, 1, r) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) for r in (0, 128, 168)]
     elif ns.words:
-        grid = [(bn, 4, st, sp, r, 2) for bn in (128, 256) for st in (2, 3, 4) for r in (0, 128, 168) for sp in (1, 2)]
+        grid = [(bn, 4, st, sp, r, True) for bn in (128, 256) for st in (2, 3, 4) for r in (0, 128, 168) for sp in (1, 2)]
     elif ns.quick:
         grid = list(itertools.product([64, 128], [4], [1, 2, 3], [1, 2]))
     for batch in [int(b) for b in ns.batch.split(",")]:
@@ -102,7 +102,7 @@ def main() -> None:
             if reg and reg[0]:
                 cfg["maxnreg"] = reg[0]
             if len(reg) > 1:
-                cfg["fp8_words"] = reg[1]
+                cfg["fp8_v_words"] = reg[1]
             try:
                 err = ((run(p, 4, config=cfg, num_splits=splits).float() - want).norm() / want.norm()).item()
                 ms = graph_time([lambda: run(p, config=cfg, num_splits=splits)], target_ms=60)
@@ -115,7 +115,7 @@ def main() -> None:
             if best is None or ms < best["us"] / 1e3:
                 best = row
             print(f"{ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch} ctx{ns.lo}-{ns.hi} BN{bn} w{warps} s{stages} "
-                  f"reg{cfg.get('maxnreg', '-')} words{cfg.get('fp8_words', '-')} splits{splits}: {ms * 1e3:8.1f} us "
+                  f"reg{cfg.get('maxnreg', '-')} v_words{cfg.get('fp8_v_words', '-')} splits{splits}: {ms * 1e3:8.1f} us "
                   f"{pct:5.1f}% err {err:.1e}", flush=True)
         print(f"BEST {ns.layout} {'fp8' if ns.fp8 else 'bf16'} B{batch}: {best}", flush=True)
         del p

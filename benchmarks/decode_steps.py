@@ -4,14 +4,14 @@ wait for the sampled ids, and, from CUDA events recorded around each step's laun
 span of a step and the GPU idle gap between steps (0 when asynchronous scheduling keeps the
 GPU fed).  Medians over the last 200 of 256 steps, one JSON line.
 
-    PYTHONPATH=runtime:kernels:operator python3 tests/gpu/decode_steps.py {bf16|int4|fp8|int4-kmajor|...} [--profile]
+    python3 benchmarks/decode_steps.py {bf16|int4|fp8|int4-lmhead|...}[-nopdl][-unfused] [--profile]
 
 ``--profile`` adds, on a second line, the kernels of most GPU time per step (torch profiler over
 64 more steps).
 
-The method names are those of ``kiln.runtime.quantization.gpu_bench.bench_decode`` (which this
-wraps); run each method in a fresh process.  Environment switches (``KILN_FUSED_ROPE_KV=0``,
-``KILN_PDL=0``) give the A/B runs of docs/benchmarks.md.
+The method names are those of ``benchmarks/gpu_bench.py``'s ``bench_decode`` (which this wraps);
+run each method in a fresh process.  The ``-nopdl`` and ``-unfused`` suffixes (``EngineArgs.pdl``,
+``EngineArgs.fused_rope_kv``) give the A/B runs of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 import kiln.runtime.engine as en
 import kiln.runtime.model_runner as mr
-from kiln.runtime.quantization import gpu_bench as g
+import gpu_bench as g  # benchmarks/gpu_bench.py (this script's folder is on sys.path)
 
 
 def main(method: str, profile: bool = False) -> dict:

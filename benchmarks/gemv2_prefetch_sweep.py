@@ -4,7 +4,7 @@ re-timed in one CUDA graph over >= 512 MB of weight copies (no L2 reuse), checke
 float32 reference, next to the current ``TUNED`` entry and bf16 cuBLAS in the same process.
 Writes the overall winners (the session-9 ``TUNED`` rows) to /tmp/winners.json.
 
-    PYTHONPATH=runtime:kernels:operator python3 tests/gpu/gemv2_prefetch_sweep.py 1,2
+    python3 benchmarks/gemv2_prefetch_sweep.py 1,2
 """
 
 import json
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kiln.runtime.quantization import gpu_bench as g
+import gpu_bench as g  # benchmarks/gpu_bench.py (this script's folder is on sys.path)
 
 BASE = [(64, 512, 8), (64, 1024, 8), (32, 1024, 4), (64, 512, 4), (32, 512, 4), (64, 256, 4), (128, 1024, 8),
         (32, 256, 2), (64, 2048, 8), (32, 2048, 4)]

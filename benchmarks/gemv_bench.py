@@ -2,7 +2,7 @@
 
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=kernels python3 -m kiln.kernels.gemv_bench [--json OUT] [--budget-s 150]
+    python3 benchmarks/gemv_bench.py [--json OUT] [--budget-s 150]
 
 Shapes: Llama-3.1-8B's qkv, o, gate_up, down and LM head, M = 1, 2, 4, 8, bf16.  Method: every
 time is per call inside one CUDA graph whose calls cycle through enough copies of the weight

@@ -1,8 +1,11 @@
 """GPU measurements of the quantized paths (H200, Llama-3.1-8B shapes, random weights).
 
-``python -m kiln.runtime.quantization.gpu_bench [--skip-decode] [--decode-batch B] --json OUT``
-``python -m kiln.runtime.quantization.gpu_bench --only w4a16-variants [--decode-methods
-bf16,int4,int4-gemv2 --only w4a16-variants,decode] --json OUT``
+``python3 benchmarks/gpu_bench.py [--skip-decode] [--decode-batch B] --json OUT``
+``python3 benchmarks/gpu_bench.py --only w4a16-variants [--decode-methods bf16,int4,int4-nopdl
+--only w4a16-variants,decode] --json OUT``
+
+A lab tool (not installed with Kiln): it measures the product through its public APIs and steers
+it only through ``KernelOptions`` / ``EngineArgs`` and explicit launch configs.
 
 0. (``w4a16-variants``) The GEMV kernels side by side at M = 1, 2, 4: the float32 ``gemv``
    (its ``TUNED`` config or default), the packed-half ``gemv2`` (a small sweep, best shown)
@@ -10,7 +13,7 @@ bf16,int4,int4-gemv2 --only w4a16-variants,decode] --json OUT``
 
 1. W4A16 GEMM (``kiln.kernels.w4a16``) vs bf16 cuBLAS (``x @ W.T``) at M = 1, 2, 4, 8, 16 on
    the 8B projection shapes: a launch-config sweep per shape and M (compiled first in worker
-   processes; fills ``w4a16.TUNED`` for the decode part), a check of the winner against the
+   processes; prints the winners as a tuning table's ``"w4a16"`` entries), a check of the winner against the
    reference, then both timed inside one CUDA graph that cycles through enough weight copies
    (>= 512 MB) that nothing is served from the 60 MB L2; time per GEMM.
 2. FP8 GEMM (``torch._scaled_mm`` rowwise) vs bf16 at M >= 1024, alone and with the dynamic
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
+
+from kiln.kernels.options import KernelOptions
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # + the LM head (vocabulary 128256), quantized by ``kiln build --quantize-lm-head``; its GEMM
@@ -71,11 +75,6 @@ GEMV2_SPACE = ([{"KERNEL": "gemv2", "BLOCK_N": bn, "BLOCK_K": bk, "CHAIN": 8, "n
                   for bn, bk, w in ((64, 512, 8), (64, 1024, 8), (32, 1024, 4), (32, 512, 4), (64, 2048, 8),
                                     (32, 2048, 4)) for pf in (0, 1)])
 
-# the K-major GEMV (weights stored K-major, session 8): columns per program x K per step x warps
-GEMVT_SPACE = [{"KERNEL": "gemvt", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1}
-               for bn in (4, 8, 16, 32) for bk, w in ((1024, 2), (1024, 4), (2048, 2), (2048, 4), (2048, 8),
-                                                      (4096, 4), (4096, 8))]
-
 # the swap-AB tensor-core kernel (group 128: BLOCK_K 64 or 128); BLOCK_M 8 (mma.sync) or 16 (wgmma)
 SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st, "PREFETCH": pf}
                for bn, w in ((128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3, 4) for pf in (0, 1)]
@@ -83,13 +82,12 @@ SWAP_SPACE = ([{"KERNEL": "swap", "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w,
                  for st in (3, 4)])
 
 
-def _w4a16_space(M: int, kmajor: bool = False) -> list[dict]:
-    """Launch configs swept for one M bucket (without SPLIT_K): the packed-half GEMV (M <= 4;
-    with ``kmajor`` the K-major ``gemvt``), the tensor-core kernel with x as the A operand
-    (M >= 4) and the swap-AB one (all M)."""
+def _w4a16_space(M: int) -> list[dict]:
+    """Launch configs swept for one M bucket (without SPLIT_K): the packed-half GEMV (M <= 4),
+    the tensor-core kernel with x as the A operand (M >= 4) and the swap-AB one (all M)."""
     out = []
     if M <= 4:
-        out += [dict(c, BLOCK_M=M) for c in (GEMVT_SPACE if kmajor else GEMV2_SPACE)]
+        out += [dict(c, BLOCK_M=M) for c in GEMV2_SPACE]
     if M >= 4:
         for bn, w in ((64, 4), (128, 4), (128, 8)):
             out.append({"KERNEL": "mma", "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 2})
@@ -99,16 +97,14 @@ def _w4a16_space(M: int, kmajor: bool = False) -> list[dict]:
 
 def _warm(jobs) -> int:
     """Compile (populate Triton's cache) in a worker process: one call per (N, K, M, config)."""
-    from kiln.kernels.w4a16 import to_kmajor, w4a16_gemm
+    from kiln.kernels.w4a16 import w4a16_gemm
 
     ok = 0
-    for N, K, M, cfg, *kmajor in jobs:
+    for N, K, M, cfg in jobs:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         qw = torch.zeros(K // 8, N, dtype=torch.int32, device="cuda")
         sc = torch.ones(K // 128, N, dtype=torch.float16, device="cuda")
         z = torch.zeros(K // 128, N, dtype=torch.uint8, device="cuda")
-        if kmajor and kmajor[0]:
-            qw, sc, z = to_kmajor(qw), to_kmajor(sc), to_kmajor(z)
         try:
             w4a16_gemm(x, qw, sc, z, cfg)
             ok += 1
@@ -118,33 +114,29 @@ def _warm(jobs) -> int:
     return ok
 
 
-def _weight_copies(N: int, K: int, kmajor: bool = False) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+def _weight_copies(N: int, K: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """bf16 weights [N, K] and their int4 packing (group 128), each copied often enough to fill
-    >= 512 MB, so that calls rotating over the copies are not served from L2.  ``kmajor``: the
-    packed words, scales and zero points stored K-major (``w4a16.to_kmajor``)."""
-    from kiln.kernels.w4a16 import to_kmajor
-
-    from . import int4
+    >= 512 MB, so that calls rotating over the copies are not served from L2."""
+    from kiln.runtime.quantization import int4
 
     w = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, (512 << 20) // (N * K * 2)))]
     s, z = int4.quantize_params(w[0].float(), 128)
     packed = int4.pack(int4.quantize_with(w[0].float(), s, z, 128), s, z)
-    copy = to_kmajor if kmajor else torch.clone
-    return w, [{k: copy(v) for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
+    return w, [{k: v.clone() for k, v in packed.items()} for _ in range(max(2, (512 << 20) // (N * K // 2)))]
 
 
-def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, kmajor: bool = False,
+def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12,
                 shapes: dict[str, tuple[int, int]] | None = None) -> list[dict]:
-    """Sweep the launch configs per shape (default ``SHAPES``) and M bucket (filling ``TUNED``,
-    or ``TUNED_KMAJOR`` with ``kmajor``: weights stored K-major), check the winner against the
-    reference, then time it against bf16 cuBLAS."""
+    """Sweep the launch configs per shape (default ``SHAPES``) and M bucket, check the winner
+    against the reference, then time it against bf16 cuBLAS; prints the winners as the
+    ``"w4a16"`` entries of a tuning table (``kiln/kernels/tuning/<device>.json``)."""
     import multiprocessing as mp
 
-    from kiln.kernels.w4a16 import TUNED, TUNED_KMAJOR, w4a16_gemm, w4a16_ref
+    from kiln.kernels.w4a16 import w4a16_gemm, w4a16_ref
 
-    table = TUNED_KMAJOR if kmajor else TUNED
+    table: dict[tuple[int, int, int], dict] = {}
     # the compiled variant depends on M's bucket, the config and split == 1 or not, not on the shape
-    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp), kmajor) for M in ms for cfg in _w4a16_space(M, kmajor)
+    jobs = [(4096, 4096, M, dict(cfg, SPLIT_K=sp)) for M in ms for cfg in _w4a16_space(M)
             for sp in (1, 2)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(procs) as pool:
@@ -152,13 +144,13 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
     print(json.dumps({"compile_s": time.perf_counter() - t0, "jobs": len(jobs)}), flush=True)
     rows = []
     for name, (N, K) in (shapes or SHAPES).items():
-        w, q = _weight_copies(N, K, kmajor)
+        w, q = _weight_copies(N, K)
         od = torch.float32 if name == "lm_head" else None
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             best = None
             per_kernel: dict[str, float] = {}  # best sweep time (us) of each kernel
-            for cfg in _w4a16_space(M, kmajor):
+            for cfg in _w4a16_space(M):
                 for sp in splits:
                     c = dict(cfg, SPLIT_K=sp)
                     try:
@@ -174,49 +166,44 @@ def bench_w4a16(ms=(1, 2, 4, 8, 16), splits=(1, 2, 4, 8, 16), procs: int = 12, k
             ref = w4a16_ref(x, packed["qweight"], packed["scales"], packed["qzeros"]).float()
             errs = []
             for _ in range(3):  # repeated: the split-K counters must come back to zero
-                y = w4a16_gemm(x, packed["qweight"], packed["scales"], packed["qzeros"], out_dtype=od).float()
+                y = w4a16_gemm(x, packed["qweight"], packed["scales"], packed["qzeros"], best[1], od).float()
                 errs.append(float((y - ref).norm() / ref.norm()))
             t_bf16 = graph_time([lambda wi=wi: x @ wi.t() for wi in w])
-            t_w4 = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], out_dtype=od)
+            t_w4 = graph_time([lambda p=p: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], best[1], od)
                                for p in q])
             nbytes = N * K / 2 + N * K // 128 * 3
-            rows.append({"shape": name, "layout": "kmajor" if kmajor else "nmajor", "N": N, "K": K, "M": M,
+            rows.append({"shape": name, "N": N, "K": K, "M": M,
                          "bf16_us": t_bf16 * 1e6, "w4a16_us": t_w4 * 1e6,
                          "speedup": t_bf16 / t_w4, "w4a16_GBps": nbytes / t_w4 / 1e9, "max_rel_err": max(errs),
                          "config": best[1], "sweep_us_by_kernel": {k: round(v, 2) for k, v in per_kernel.items()}})
             print(json.dumps(rows[-1]), flush=True)
         del w, q
-    print(("TUNED_KMAJOR = " if kmajor else "TUNED = ")
-          + json.dumps({f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}), flush=True)
+    print('"w4a16": ' + json.dumps({f"{k[0]}x{k[1]}x{k[2]}": v for k, v in table.items()}), flush=True)
     return rows
 
 
 def bench_w4a16_large(ms=(16, 32, 48, 64, 96, 128, 512, 2048, 8192)) -> list[dict]:
     """Larger M (prefill): the fused tensor-core kernel (``mma``, its default launch) vs
     dequantize-then-cuBLAS (``dequant``; the weight dequantization alone too) vs bf16 cuBLAS,
-    per projection, on N-major weights, and ``mma`` on the same weights stored K-major; each
-    checked against the float32 reference.  Sets ``w4a16.DEQUANT_MIN_M``'s crossover."""
-    from kiln.kernels import w4a16
-    from kiln.kernels.w4a16 import choose_config, to_kmajor, w4a16_gemm, w4a16_ref
-    from kiln.kernels.w4a16_dequant import dequantize
+    per projection; each checked against the float32 reference.  Sets the crossover
+    ``KernelOptions.w4a16_dequant_min_m``."""
+    from kiln.kernels.w4a16 import choose_config, w4a16_gemm, w4a16_ref
+    from kiln.kernels.w4a16.dequant import dequantize
 
     rows = []
     for name, (N, K) in SHAPES.items():
-        w, qn = _weight_copies(N, K, False)
+        w, qn = _weight_copies(N, K)
         del w[2:], qn[8:]
-        qk = [{k: to_kmajor(v) for k, v in p.items()} for p in qn]
         t_deq = graph_time([lambda p=p: dequantize(p["qweight"], p["scales"], p["qzeros"], torch.bfloat16)
                             for p in qn], reps=5)
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "M": M, "dequant_only_us": t_deq * 1e6}
             ref = w4a16_ref(x, qn[0]["qweight"], qn[0]["scales"], qn[0]["qzeros"]).float()
-            saved, w4a16.DEQUANT_MIN_M = w4a16.DEQUANT_MIN_M, 1 << 30
-            mma = choose_config(M, N, K, 128, x.device, x.dtype)
-            w4a16.DEQUANT_MIN_M = saved
+            mma = choose_config(M, N, K, 128, x.device, x.dtype, options=KernelOptions(w4a16_dequant_min_m=1 << 30))
             deq = {"KERNEL": "dequant", "BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8,
                    "num_stages": 1}
-            for tag, q, cfg in (("mma", qn, mma), ("dequant", qn, deq), ("mma_kmajor", qk, mma)):
+            for tag, q, cfg in (("mma", qn, mma), ("dequant", qn, deq)):
                 y = w4a16_gemm(x, q[0]["qweight"], q[0]["scales"], q[0]["qzeros"], cfg).float()
                 row[f"{tag}_rel_err"] = float((y - ref).norm() / ref.norm())
                 row[f"{tag}_us"] = graph_time([lambda p=p, c=cfg: w4a16_gemm(x, p["qweight"], p["scales"], p["qzeros"], c)
@@ -225,7 +212,7 @@ def bench_w4a16_large(ms=(16, 32, 48, 64, 96, 128, 512, 2048, 8192)) -> list[dic
             row["mma_config"] = mma["KERNEL"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del w, qn, qk
+        del w, qn
     return rows
 
 
@@ -282,62 +269,26 @@ def bench_w4a16_variants(ms=(1, 2, 4), splits=(2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
-def _w4a16_and_norm(x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor):
+def _w4a16_and_norm(x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, options: KernelOptions):
     """Two callables of one packed weight dict ``p``: the W4A16 GEMM of ``x``, and the same GEMM
-    of the add + RMSNorm of ``x`` and ``res`` (weight ``nw``), as in a decode step."""
+    of the add + RMSNorm of ``x`` and ``res`` (weight ``nw``), as in a decode step; both
+    launched with ``options``."""
     from kiln.kernels.norm import fused_add_rms_norm
     from kiln.kernels.w4a16 import w4a16_gemm
 
     def w4(p, a=x):
-        return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"])
+        return w4a16_gemm(a, p["qweight"], p["scales"], p["qzeros"], options=options)
 
     def w4n(p):
-        return w4(p, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+        return w4(p, fused_add_rms_norm(x, res, nw, 1e-5, options=options)[0])
 
     return w4, w4n
-
-
-def bench_early(ms=(1, 2), shapes: dict | None = None) -> list[dict]:
-    """``gemv2`` with its first weight step loaded before the programmatic-dependent-launch wait
-    (``KILN_W4A16_EARLY=1``, ``w4a16.early_fetch``) against after it (``0``), PDL on, the ``TUNED``
-    config otherwise: the GEMM chain alone and each GEMM preceded by the add + RMSNorm that feeds
-    it (as in a decode step), microseconds per GEMM; outputs must be bit-identical."""
-    env = {k: os.environ.get(k) for k in ("KILN_PDL", "KILN_W4A16_EARLY")}
-    rows = []
-    try:
-        os.environ["KILN_PDL"] = "1"
-        for name, (N, K) in (shapes or SHAPES).items():
-            w, q = _weight_copies(N, K)
-            del w
-            nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
-            for M in ms:
-                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                row = {"shape": name, "M": M}
-                w4, w4n = _w4a16_and_norm(x, res, nw)
-                outs = {}
-                for tag in ("0", "1"):
-                    os.environ["KILN_W4A16_EARLY"] = tag
-                    outs[tag] = w4(q[0])
-                    row[f"early{tag}_us"] = graph_time([lambda p=p: w4(p) for p in q]) * 1e6
-                    row[f"norm+early{tag}_us"] = graph_time([lambda p=p: w4n(p) for p in q]) * 1e6
-                row["identical"] = bool(torch.equal(outs["0"], outs["1"]))
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-            del q
-    finally:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return rows
 
 
 def bench_argmax(vocab: int = 128256, batches=(1, 4, 16)) -> list[dict]:
     """Greedy sampling's argmax over float32 logits: torch's ``argmax`` against the sampler's
     two-pass ``greedy_argmax``, microseconds per call (CUDA graph of 20 calls)."""
-    from ..sampler import greedy_argmax
+    from kiln.runtime.sampler import greedy_argmax
 
     rows = []
     for S in batches:
@@ -351,58 +302,52 @@ def bench_argmax(vocab: int = 128256, batches=(1, 4, 16)) -> list[dict]:
 
 
 def bench_pdl(ms=(1, 2, 4, 8, 16)) -> list[dict]:
-    """Programmatic dependent launch (``kiln.kernels.pdl``, ``KILN_PDL``) on and off.
+    """Programmatic dependent launch (``kiln.kernels.pdl``, ``KernelOptions.pdl``) on and off.
 
-    Per shape and M, the ``TUNED`` W4A16 config: the GEMM chain of ``bench_w4a16`` (one CUDA
-    graph over the weight copies), and, closer to a decode step, each GEMM preceded by the
-    RMSNorm that feeds it ("norm+": time of the pair); bf16 cuBLAS and (where ``use_gemv``)
-    Kiln's bf16 GEMV on the same shapes.  Outputs with PDL on are checked against PDL off."""
+    Per shape and M, the tuned W4A16 config: the GEMM chain of ``bench_w4a16`` (one CUDA graph
+    over the weight copies), and, closer to a decode step, each GEMM preceded by the RMSNorm
+    that feeds it ("norm+": time of the pair); bf16 cuBLAS and (where ``use_gemv``) Kiln's bf16
+    GEMV on the same shapes.  Outputs with PDL on are checked against PDL off."""
     from kiln.kernels import gemv as gemv_mod
     from kiln.kernels.norm import fused_add_rms_norm
 
-    env = os.environ.get("KILN_PDL")
     rows = []
-    try:
-        for name, (N, K) in SHAPES.items():
-            w, q = _weight_copies(N, K)
-            nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
-            for M in ms:
-                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                row = {"shape": name, "M": M}
-                w4, w4n = _w4a16_and_norm(x, res, nw)
+    for name, (N, K) in SHAPES.items():
+        w, q = _weight_copies(N, K)
+        nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "M": M}
+            for tag in ("off", "on"):
+                opts = KernelOptions(pdl=tag == "on")
+                w4, w4n = _w4a16_and_norm(x, res, nw, opts)
 
-                def gv(wi, a=x):
-                    return gemv_mod.gemv(a, wi)
+                def gv(wi, a=x, o=opts):
+                    return gemv_mod.gemv(a, wi, options=o)
 
-                def gvn(wi):
-                    return gv(wi, fused_add_rms_norm(x, res, nw, 1e-5)[0])
+                def gvn(wi, o=opts):
+                    return gv(wi, fused_add_rms_norm(x, res, nw, 1e-5, options=o)[0])
 
-                for tag in ("off", "on"):
-                    os.environ["KILN_PDL"] = "0" if tag == "off" else "1"
-                    y = w4(q[0]).float()
-                    if tag == "off":
-                        ref = y
-                    else:
-                        row["rel_diff_on_vs_off"] = float((y - ref).norm() / ref.norm())
-                    row[f"w4a16_{tag}_us"] = graph_time([lambda p=p: w4(p) for p in q]) * 1e6
-                    row[f"norm+w4a16_{tag}_us"] = graph_time([lambda p=p: w4n(p) for p in q]) * 1e6
-                    if gemv_mod.use_gemv(M, N, K):
-                        row[f"gemv_{tag}_us"] = graph_time([lambda wi=wi: gv(wi) for wi in w]) * 1e6
-                        row[f"norm+gemv_{tag}_us"] = graph_time([lambda wi=wi: gvn(wi) for wi in w]) * 1e6
-                    row[f"norm_{tag}_us"] = graph_time([lambda: fused_add_rms_norm(x, res, nw, 1e-5) for _ in w]) * 1e6
-                row["bf16_us"] = graph_time([lambda wi=wi: x @ wi.t() for wi in w]) * 1e6
-                row["norm+bf16_us"] = graph_time([lambda wi=wi: fused_add_rms_norm(x, res, nw, 1e-5)[0] @ wi.t()
-                                                  for wi in w]) * 1e6
-                row["speedup_on_vs_bf16"] = row["bf16_us"] / row["w4a16_on_us"]
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-            del w, q
-    finally:
-        if env is None:
-            os.environ.pop("KILN_PDL", None)
-        else:
-            os.environ["KILN_PDL"] = env
+                y = w4(q[0]).float()
+                if tag == "off":
+                    ref = y
+                else:
+                    row["rel_diff_on_vs_off"] = float((y - ref).norm() / ref.norm())
+                row[f"w4a16_{tag}_us"] = graph_time([lambda p=p: w4(p) for p in q]) * 1e6
+                row[f"norm+w4a16_{tag}_us"] = graph_time([lambda p=p: w4n(p) for p in q]) * 1e6
+                if gemv_mod.use_gemv(M, N, K):
+                    row[f"gemv_{tag}_us"] = graph_time([lambda wi=wi: gv(wi) for wi in w]) * 1e6
+                    row[f"norm+gemv_{tag}_us"] = graph_time([lambda wi=wi: gvn(wi) for wi in w]) * 1e6
+                row[f"norm_{tag}_us"] = graph_time([lambda o=opts: fused_add_rms_norm(x, res, nw, 1e-5, options=o)
+                                                    for _ in w]) * 1e6
+            row["bf16_us"] = graph_time([lambda wi=wi: x @ wi.t() for wi in w]) * 1e6
+            row["norm+bf16_us"] = graph_time([lambda wi=wi: fused_add_rms_norm(x, res, nw, 1e-5)[0] @ wi.t()
+                                              for wi in w]) * 1e6
+            row["speedup_on_vs_bf16"] = row["bf16_us"] / row["w4a16_on_us"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del w, q
     return rows
 
 
@@ -470,7 +415,7 @@ def bench_read_floor() -> list[dict]:
 def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
     from triton.testing import do_bench
 
-    from .fp8 import quantize_rows_fp8
+    from kiln.runtime.quantization.fp8 import quantize_rows_fp8
 
     rows = []
     for name, (N, K) in SHAPES.items():
@@ -506,39 +451,21 @@ def bench_fp8(ms=(1024, 4096, 8192)) -> list[dict]:
     return rows
 
 
-def _quantize_dummy(model, method: str, group_size: int = 128, lm_head: bool = False) -> None:
-    """Quantize a dummy-weight model in place on the GPU (speed only: RTN for int4); with
-    ``lm_head`` (int4) the LM head too, as ``kiln build --quantize-lm-head`` does."""
-    from . import int4
-    from .base import decoder_linears
-    from .base import QuantSettings
-    from .fp8 import Fp8Handler
-
-    for layer in model.model.layers:
-        if method == "fp8":  # round to nearest (no calibration statistics for random weights)
-            Fp8Handler(QuantSettings(method="fp8", extra={"fp8_weights": "rtn"})).quantize_layer(layer, "", None)
-            continue
-        for _, mod in decoder_linears(layer):
-            w = mod.weight.data.float()
-            s, z = int4.quantize_params(w, group_size)
-            int4.store_int4(mod, int4.quantize_with(w, s, z, group_size), s, z, group_size)
-    if lm_head and method == "int4":
-        w = model.lm_head.weight.data.float()
-        s, z = int4.quantize_params(w, group_size)
-        int4.store_int4(model.lm_head, int4.quantize_with(w, s, z, group_size), s, z, group_size)
-    torch.cuda.empty_cache()
-
-
 def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: int = 1,
                  profile_tokens: int = 0) -> list[dict]:
     """Greedy decode of ``batch`` 32-token prompts (``new_tokens`` each) per weight method:
     output tokens/s and ms per step (one token per sequence).  With ``profile_tokens`` > 0, a
     further generate of that many tokens runs under the torch profiler and each row gets
     ``profile``: the 16 kernels of most GPU time, as (name, microseconds per step, launches per
-    step), and ``profile_gpu_us``, the GPU time of all kernels per step."""
-    from ..llm import LLM
-    from ..model_runner import ModelRunner
-    from ..sampling_params import SamplingParams
+    step), and ``profile_gpu_us``, the GPU time of all kernels per step.
+
+    Methods: ``bf16``, ``int4``, ``fp8``, ``int4-lmhead`` (the LM head quantized too); a
+    ``-nopdl`` suffix launches without programmatic dependent launch (``EngineArgs.pdl``),
+    ``-unfused`` runs rotary and the KV write as two kernels (``EngineArgs.fused_rope_kv``)."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.model_runner import ModelRunner
+    from kiln.runtime.quantization.rtn import quantize_model_rtn
+    from kiln.runtime.sampling_params import SamplingParams
 
     rows = []
     orig = ModelRunner.init_dummy_weights
@@ -551,26 +478,14 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
                 else:
                     prm.data.normal_(0.0, 0.02)
             if _m.split("-")[0] != "bf16":  # "int4-lmhead": the LM head quantized too
-                _quantize_dummy(self.model, _m.split("-")[0], lm_head="lmhead" in _m.split("-"))
+                quantize_model_rtn(self.model, _m.split("-")[0], lm_head="lmhead" in _m.split("-"))
 
         ModelRunner.init_dummy_weights = patched
-        from kiln.kernels import w4a16
-
-        # "-nopdl": programmatic dependent launch off (``KILN_PDL=0``)
-        pdl_env = os.environ.get("KILN_PDL")
-        if method.endswith("-nopdl"):
-            os.environ["KILN_PDL"] = "0"
-        # "int4-gemv2" / "int4-gemv" / "int4-gemvt": force that GEMV kernel at M <= 4 (else TUNED /
-        # defaults); "int4-kmajor": weights stored K-major on the GPU (``KILN_W4A16_LAYOUT``)
-        parts = method.removesuffix("-nopdl").split("-")
-        kerns = [k for k in parts[1:] if k in ("gemv", "gemv2", "gemvt")]
-        w4a16.SMALL_M_KERNEL = kerns[0] if kerns and parts[0] == "int4" else ""
-        layout_env = os.environ.get("KILN_W4A16_LAYOUT")
-        os.environ["KILN_W4A16_LAYOUT"] = "kmajor" if "kmajor" in parts else "nmajor"
+        parts = method.split("-")
         try:
             t0 = time.perf_counter()
             llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=max(8, batch), num_kv_blocks=512,
-                      max_model_len=1024)
+                      max_model_len=1024, pdl="nopdl" not in parts, fused_rope_kv="unfused" not in parts)
             load_s = time.perf_counter() - t0
             sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
             prompt = [list(range(1000 + 40 * i, 1032 + 40 * i)) for i in range(batch)]
@@ -591,15 +506,6 @@ def bench_decode(methods=("bf16", "int4", "fp8"), new_tokens: int = 128, batch: 
             torch.cuda.empty_cache()
         finally:
             ModelRunner.init_dummy_weights = orig
-            w4a16.SMALL_M_KERNEL = ""
-            if layout_env is None:
-                os.environ.pop("KILN_W4A16_LAYOUT", None)
-            else:
-                os.environ["KILN_W4A16_LAYOUT"] = layout_env
-            if pdl_env is None:
-                os.environ.pop("KILN_PDL", None)
-            else:
-                os.environ["KILN_PDL"] = pdl_env
     return rows
 
 
@@ -608,7 +514,7 @@ def _profile_decode(llm, prompt, tokens: int) -> dict:
     but are a small share over a long generate)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..sampling_params import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -626,15 +532,15 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--only", default="w4a16,fp8,decode",
-                   help="comma list of w4a16, w4a16-kmajor (the same sweep on K-major weights), w4a16-large "
-                        "(prefill M: fused mma vs dequantize + cuBLAS vs bf16, N- and K-major), w4a16-variants (gemv vs gemv2 vs bf16), pdl, early (gemv2's weight loads before the PDL wait, "
-                        "on vs off), argmax (greedy sampling's argmax), floor, fp8, decode")
+                   help="comma list of w4a16, w4a16-large (prefill M: fused mma vs dequantize + cuBLAS vs bf16), "
+                        "w4a16-variants (gemv vs gemv2 vs bf16), pdl, argmax (greedy sampling's argmax), floor, fp8, "
+                        "decode")
     p.add_argument("--ms", default="1,2,4,8,16", help="M values of the w4a16 sweeps")
     p.add_argument("--shapes", default=",".join(SHAPES),
-                   help=f"shapes of the w4a16 / w4a16-kmajor sweeps, a comma list of {', '.join(ALL_SHAPES)}")
+                   help=f"shapes of the w4a16 sweep, a comma list of {', '.join(ALL_SHAPES)}")
     p.add_argument("--decode-methods", default="bf16,int4,fp8",
-                   help="bf16, int4, int4-gemv, int4-gemv2, int4-kmajor (K-major weights), int4-lmhead (the LM head "
-                        "quantized too), fp8; a -nopdl suffix turns PDL off (KILN_PDL=0)")
+                   help="bf16, int4, int4-lmhead (the LM head quantized too), fp8; a -nopdl suffix turns PDL off, "
+                        "-unfused runs rotary and the KV write as two kernels")
     p.add_argument("--w4a16-variants", action="store_true", help="same as adding w4a16-variants to --only")
     p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together in the decode part")
     a = p.parse_args()
@@ -655,14 +561,10 @@ def main() -> None:
     shapes = {n: ALL_SHAPES[n] for n in a.shapes.split(",")}
     if "w4a16" in only:
         res["w4a16"] = bench_w4a16(ms, shapes=shapes)
-    if "w4a16-kmajor" in only:
-        res["w4a16_kmajor"] = bench_w4a16(ms, kmajor=True, shapes=shapes)
     if "w4a16-large" in only:
         res["w4a16_large"] = bench_w4a16_large()
     if "pdl" in only:
         res["pdl"] = bench_pdl()
-    if "early" in only:
-        res["early"] = bench_early(tuple(m for m in ms if m <= 2) or (1,), shapes=shapes)
     if "argmax" in only:
         res["argmax"] = bench_argmax()
     if "floor" in only:

@@ -1,7 +1,7 @@
 """End-to-end GPU checks and benchmarks for the H200 (run through the `device` tool; never in
 CI).  Prints a summary table last; writes JSON to $OUT when set.
 
-    python tests/gpu/gpu_checks.py [--quick] [--skip-peer]
+    python3 benchmarks/gpu_checks.py [--quick] [--skip-peer]
 
 1. copy bandwidth (device-to-device, read + write bytes);
 2. greedy equivalence: Kiln vs transformers on the same random weights (float32) of a real
@@ -371,13 +371,13 @@ def fp8_throughput(max_num_seqs: int, fp8_kv: bool = False, kv_fraction: float =
     per-token scales, ``torch._scaled_mm``) right after the random init; with ``fp8_kv`` also
     an FP8 E4M3 KV cache (per-head scales of a fixed range: the weights are random)."""
     from kiln.runtime.model_runner import ModelRunner
-    from kiln.runtime.quantization.gpu_bench import _quantize_dummy
+    from kiln.runtime.quantization.rtn import quantize_model_rtn
 
     orig = ModelRunner.init_dummy_weights
 
     def patched(self, seed=0):
         orig(self, seed)
-        _quantize_dummy(self.model, "fp8")
+        quantize_model_rtn(self.model, "fp8")
         if fp8_kv:
             from kiln.runtime.quantization import kv_fp8
             hkv = self.model_config.num_key_value_heads
@@ -503,7 +503,7 @@ def pick_fp8_decode(batch: int = 512) -> None:
     ``tuning.ATTENTION["decode_fp8"]`` entry for the rest of this process."""
     from attn_sweep import make_problem, ref, run  # noqa: PLC0415
     from kiln.kernels import tuning
-    from kiln.kernels.bench import graph_time
+    from kernel_bench import graph_time  # benchmarks/kernel_bench.py
 
     p, nbytes = make_problem(batch, 1000, 2000, fp8=True)
     want = ref(p, 4)

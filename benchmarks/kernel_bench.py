@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine, from the repository root)::
 
-    PYTHONPATH=kernels python3 -m kiln.kernels.bench [--sweep] [--json out.json]
+    python3 benchmarks/kernel_bench.py [--sweep] [--json out.json]
 
 Method (docs/benchmarks.md, "Kernels"): every kernel time is the median over 7 replays of a
 CUDA graph holding many back-to-back calls, divided by the number of calls, so host launch
@@ -15,15 +15,8 @@ reported separately.  Headline: decode attention at batch 64, context 4096, 32 q
 8 KV heads, head dim 128, bf16 (issue 3: >= 80% of copy bandwidth).
 
 ``--sweep`` also times a grid of attention launch configurations and split counts, checks
-each against the reference, and prints the best (copy it into ``tuning.py``).
-
-``--decode-variants`` times only decode attention, bf16 and fp8 caches, with both decode
-kernels (``mma``: tensor cores, ``cuda_core``: FMA dot products, decode_attention.py) over a
-few launch configurations of the new kernel, at B64 ctx4096, B256 ctx1536, B384 ctx1500,
-B1 ctx4096 and B8 ctx8192 (Hq32 Hkv8 D128, block size 16 as the runtime), each checked
-against the reference (about 3 minutes on an H200)::
-
-    PYTHONPATH=kernels python3 -m kiln.kernels.bench --decode-variants --json OUT/x.json
+each against the reference, and prints the best (copy it into the device's tuning table,
+``kernels/kiln/kernels/tuning/<device>.json``).
 """
 
 from __future__ import annotations
@@ -199,78 +192,9 @@ class Table:
         return "\n".join(lines)
 
 
-DECODE_VARIANT_SHAPES = [(64, 4096), (256, 1536), (384, 1500), (1, 4096), (8, 8192)]  # (batch, context)
-# launch configs of the cuda_core kernel tried per shape (splits: None = the launcher's choice)
-CUDA_CORE_CONFIGS = [
-    {"BLOCK_N": 64, "num_warps": 4, "prefetch": 1},
-    {"BLOCK_N": 128, "num_warps": 4, "prefetch": 1},
-    {"BLOCK_N": 32, "num_warps": 4, "prefetch": 1},
-    {"BLOCK_N": 64, "num_warps": 2, "prefetch": 1},
-    {"BLOCK_N": 32, "num_warps": 1, "prefetch": 1},
-    {"BLOCK_N": 64, "num_warps": 4, "prefetch": 0},
-    {"BLOCK_N": 32, "num_warps": 4, "prefetch": 2},
-    {"BLOCK_N": 64, "num_warps": 4, "prefetch": 1, "maxnreg": 128},
-]
-
-
-def decode_variants(copy_bw: float, deadline_s: float = 170.0) -> dict:
-    """Decode attention: mma vs cuda_core kernels, bf16 and fp8 caches (see the module doc).
-
-    Returns ``{"rows": [...], "best": {label: row}}``; every row has the kernel, config,
-    splits, us, pct_copy and rel_err (vs the float32 reference).  Stops adding configs when
-    ``deadline_s`` seconds have passed (the default rows of both kernels are timed first).
-    """
-    t0 = time.time()
-    Hq, Hkv, D, bs = 32, 8, 128, 16
-    scale = D ** -0.5
-    rows, best = [], {}
-    print(f"{'kernel':10s} {'shape':34s} {'config':58s} {'us':>8s} {'%copy':>6s} {'err':>8s}", flush=True)
-    for fp8 in (True, False):
-        for b, ctx in DECODE_VARIANT_SHAPES:
-            p0, nbytes = make_decode_problem(b, ctx, Hq, Hkv, D, bs, torch.bfloat16, fp8=fp8)
-            probs = [p0] + [make_decode_problem(b, ctx, Hq, Hkv, D, bs, torch.bfloat16, fp8=fp8, seed=i)[0]
-                            for i in range(1, copies(nbytes))]
-            label = f"B{b} ctx{ctx} Hq32 Hkv8 D128 {'fp8' if fp8 else 'bf16'} bs{bs}"
-            ref = decode_ref(p0, scale)
-            auto = decode_num_splits(b, Hkv, p0["q"].device, ctx)
-            # every config at the launcher's split count (each NUM_SPLITS is a compile), the
-            # first one also at half and twice as many splits
-            trials = [("mma", {"kernel": "mma"}, None), ("cuda_core", {"kernel": "cuda_core"}, None)]
-            trials += [("cuda_core", dict(c, kernel="cuda_core"), auto) for c in CUDA_CORE_CONFIGS]
-            trials += [("cuda_core", dict(CUDA_CORE_CONFIGS[0], kernel="cuda_core"), sp)
-                       for sp in sorted({max(1, auto // 2), auto * 2} - {auto})]
-            for name, cfg, sp in trials:
-                if time.time() - t0 > deadline_s and sp is not None:
-                    break
-                try:
-                    e = rel_err(run_decode(p0, scale, config=cfg, num_splits=sp), ref)
-                    ms = graph_time([lambda p=p: run_decode(p, scale, config=cfg, num_splits=sp) for p in probs], 5.0)
-                except Exception as ex:  # out of resources etc.
-                    print(f"  {label} {cfg} splits={sp}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
-                    continue
-                pct = 100 * nbytes / (ms * 1e-3) / copy_bw
-                row = {"shape": label, "kernel": name, "config": cfg, "splits": sp if sp else f"auto({auto})",
-                       "us": ms * 1e3, "pct_copy": pct, "rel_err": e}
-                rows.append(row)
-                cfg_s = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "kernel") or "tuning default"
-                print(f"{name:10s} {label:34s} {cfg_s + ' splits=' + str(row['splits']):58s} "
-                      f"{ms * 1e3:8.1f} {pct:6.1f} {e:8.1e}", flush=True)
-                key = f"{label} {name}"
-                if e < 2e-2 and (key not in best or ms * 1e3 < best[key]["us"]):
-                    best[key] = row
-            del probs, p0, ref
-    print("\n# best per shape and kernel (rel_err < 2e-2)")
-    for key, r in best.items():
-        print(f"#   {key:48s} {r['us']:8.1f} us {r['pct_copy']:5.1f}%  {r['config']} splits={r['splits']}")
-    print(f"# decode variants: {time.time() - t0:.0f} s")
-    return {"rows": rows, "best": best}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="time a grid of attention launch configs")
-    ap.add_argument("--decode-variants", action="store_true",
-                    help="only decode attention: mma vs cuda_core kernels, bf16 and fp8 caches")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -284,12 +208,6 @@ def main(argv=None):
     results["copy_GBps"] = copy_bw / GB
     print(f"# {props.name}, {props.multi_processor_count} SMs; D2D copy 4 GiB: {copy_ms:.3f} ms -> "
           f"{copy_bw / GB:.0f} GB/s (read+write)", flush=True)
-    if args.decode_variants:
-        results["decode_variants"] = decode_variants(copy_bw)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-        return
     tab = Table(copy_bw)
     Hq, Hkv, D = 32, 8, 128
     scale = D ** -0.5

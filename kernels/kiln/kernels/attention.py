@@ -308,6 +308,52 @@ def _words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bo
         t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3]) for t in (k_cache, v_cache))
 
 
+def _partials(rows: int, row_floats: int, block_d: int, like: torch.Tensor):
+    """Flash-decoding partials in one float32 allocation of ``rows`` rows ``[acc (block_d) | m |
+    l | pad]`` (``row_floats`` floats each): views ``(acc [rows, block_d], m [rows], l [rows])``."""
+    part = torch.empty(rows, row_floats, dtype=torch.float32, device=like.device)
+    return part[:, :block_d], part[:, block_d], part[:, block_d + 1]
+
+
+def _grid(decode: bool, T: int, S: int, G: int, Hkv: int, cfg: dict, device: torch.device,
+          num_splits: Optional[int], max_seq_len: Optional[int]) -> tuple[int, int, int, int]:
+    """``(BLOCK_Q, BLOCK_M, splits, programs along grid axis 0)`` of a launch: decode, one
+    program per sequence with all G query heads of a KV head (split over the context to fill
+    the GPU); prefill, ``BLOCK_Q`` query tokens x G heads per program, ``T // BLOCK_Q + S``
+    programs (an upper bound: surplus programs exit)."""
+    if decode:
+        block_m = max(16, next_power_of_2(G))
+        return 1, block_m, max(1, int(num_splits or decode_num_splits(S, Hkv, device, max_seq_len))), S
+    block_m = max(cfg["BLOCK_M"], 16, next_power_of_2(G))
+    block_q = block_m // G
+    return block_q, block_m, max(1, int(num_splits or 1)), T // block_q + S
+
+
+def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
+    """ValueError unless the arguments of ``paged_attention`` fit (its docstring)."""
+    check(q.dim() == 3, f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    _, Hq, D = q.shape
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+          f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _, _, Hkv, Dk = k_cache.shape
+    check(Dk == D, f"cache head_dim {Dk} != q head_dim {D}")
+    check(Hq % Hkv == 0, f"num query heads {Hq} is not a multiple of num kv heads {Hkv}")
+    check(q.dtype in _MODEL_DTYPES, f"unsupported q dtype {q.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
+    check(fp8 or k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
+    check(block_tables.dim() == 2 and block_tables.dtype == torch.int32, "block_tables must be int32 [S, max_blocks]")
+    S = block_tables.shape[0]
+    check(seq_lens.shape == (S,) and seq_lens.dtype == torch.int32, f"seq_lens must be int32 [{S}]")
+    check(cu_seqlens_q.shape == (S + 1,) and cu_seqlens_q.dtype == torch.int32, f"cu_seqlens_q must be int32 [{S + 1}]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        check(t.device == q.device, f"{name} on {t.device}, q on {q.device}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    check(seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(), "seq_lens and cu_seqlens_q must be contiguous")
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -365,27 +411,11 @@ def paged_attention(
         ValueError: bad shapes, dtypes, devices or strides; a ``config`` key outside
             ``CONFIG_KEYS``.
     """
-    check(q.dim() == 3, f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     T, Hq, D = q.shape
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-          f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    _, block_size, Hkv, Dk = k_cache.shape
-    check(Dk == D, f"cache head_dim {Dk} != q head_dim {D}")
-    check(Hq % Hkv == 0, f"num query heads {Hq} is not a multiple of num kv heads {Hkv}")
-    check(q.dtype in _MODEL_DTYPES, f"unsupported q dtype {q.dtype}")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
-    check(fp8 or k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
-    check(block_tables.dim() == 2 and block_tables.dtype == torch.int32, "block_tables must be int32 [S, max_blocks]")
+    _, block_size, Hkv, _ = k_cache.shape
     S = block_tables.shape[0]
-    check(seq_lens.shape == (S,) and seq_lens.dtype == torch.int32, f"seq_lens must be int32 [{S}]")
-    check(cu_seqlens_q.shape == (S + 1,) and cu_seqlens_q.dtype == torch.int32, f"cu_seqlens_q must be int32 [{S + 1}]")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
-        check(t.device == q.device, f"{name} on {t.device}, q on {q.device}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
-    check(seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(), "seq_lens and cu_seqlens_q must be contiguous")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if out is None:
         out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     check(out.shape == (T, Hq, D) and out.dtype == q.dtype and out.device == q.device, "bad out tensor")
@@ -402,28 +432,12 @@ def paged_attention(
     cfg.update(config or {})
     BLOCK_D = max(16, next_power_of_2(D))
     BLOCK_N = cfg["BLOCK_N"]
-    if decode:
-        BLOCK_Q = 1
-        BLOCK_M = max(16, next_power_of_2(G))
-        splits = num_splits or decode_num_splits(S, Hkv, q.device, max_seq_len)
-        grid0 = S
-    else:
-        BLOCK_M = max(cfg["BLOCK_M"], 16, next_power_of_2(G))
-        BLOCK_Q = BLOCK_M // G
-        splits = num_splits or 1
-        grid0 = T // BLOCK_Q + S
-    splits = max(1, int(splits))
+    BLOCK_Q, BLOCK_M, splits, grid0 = _grid(decode, T, S, G, Hkv, cfg, q.device, num_splits, max_seq_len)
 
     ks = scale_args(k_scale if fp8 else None, Hkv, q, "k_scale")
     vs = scale_args(v_scale if fp8 else None, Hkv, q, "v_scale")
     part_stride = BLOCK_D + 4  # floats per partial row; a multiple of 4 keeps rows 16-byte aligned
-    if splits > 1:  # one allocation: rows [acc (BLOCK_D) | m | l | pad] per (token, head, split)
-        part = torch.empty(T * Hq * splits, part_stride, dtype=torch.float32, device=q.device)
-        part_acc = part[:, :BLOCK_D]
-        part_m = part[:, BLOCK_D]
-        part_l = part[:, BLOCK_D + 1]
-    else:
-        part_acc = part_m = part_l = out  # unused
+    part_acc, part_m, part_l = _partials(T * Hq * splits, part_stride, BLOCK_D, out) if splits > 1 else (out,) * 3
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     f16_dot = fp8 and q.dtype != torch.float32 and cfg.get("fp8_f16_dot", True)
     # V as int32 words: dots need >= 16 words; int32 views need 4-byte aligned rows (true for
@@ -450,9 +464,7 @@ def paged_attention(
     )
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](
-            out, part_acc, part_m, part_l,
-            out.stride(0), out.stride(1), Hq * splits, splits, D,
+            out, part_acc, part_m, part_l, out.stride(0), out.stride(1), Hq * splits, splits, D,
             NUM_SPLITS=splits, SPLITS_P2=next_power_of_2(splits), BLOCK_D=BLOCK_D, PART_STRIDE=part_stride,
-            num_warps=1 if BLOCK_D * splits <= 1024 else 4, **launch_kwargs(q.device, options),
-        )
+            num_warps=1 if BLOCK_D * splits <= 1024 else 4, **launch_kwargs(q.device, options))
     return out

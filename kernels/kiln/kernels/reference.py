@@ -197,7 +197,10 @@ def _decode_rows(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     n, L = len(seqs), max(lens)
     nblk = (L + bs - 1) // bs
     idx = torch.tensor(seqs, device=q.device)
-    tables = block_tables.index_select(0, idx)[:, :nblk].to(torch.int64).reshape(-1)  # [n * nblk]
+    tables = block_tables.index_select(0, idx)[:, :nblk].to(torch.int64)  # [n, nblk]
+    own = torch.tensor([(L_s + bs - 1) // bs for L_s in lens], device=q.device)
+    # entries past a sequence's own blocks are never read (masked below): point them at block 0
+    tables = torch.where(torch.arange(nblk, device=q.device).unsqueeze(0) < own.unsqueeze(1), tables, 0).reshape(-1)
     kv = []
     for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)):
         x = cache.index_select(0, tables).view(n, nblk * bs, Hkv, D)[:, :L].to(cd)

@@ -89,17 +89,22 @@ def _name_for(device_name: str) -> str:
 
 
 def table(device=None) -> Table:
-    """The table for ``device`` (a ``torch.device``; None or a non-CUDA device: the default
-    table).  Cached per device name; the CUDA name is read once per device index."""
+    """The table for ``device`` (a ``torch.device``; None, a non-CUDA device, or a CUDA device
+    on a machine without one, as in planning tests: the default table).  Cached per device
+    name; the CUDA name is read once per device index."""
     if device is None or getattr(device, "type", "cpu") != "cuda":
         return load(DEFAULT_TABLE)
-    return load(_name_for(_cuda_name(device.index)))
+    name = _cuda_name(device.index)
+    return load(_name_for(name) if name else DEFAULT_TABLE)
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_name(index) -> str:
+    """The CUDA device's name ("" when no CUDA device is visible)."""
     import torch  # noqa: PLC0415
 
+    if not torch.cuda.is_available():
+        return ""
     return torch.cuda.get_device_name(index if index is not None else torch.cuda.current_device())
 
 
