@@ -68,6 +68,15 @@ class FakeKube:
         self.objects[k] = new
         return copy.deepcopy(new)
 
+    def set_owners(self, api_version, kind, namespace, name, owner_references):
+        self.calls.append(("set_owners", kind, name))
+        cur = self.objects.get(_key(api_version, kind, namespace, name))
+        if cur is None:
+            raise ApiError(404, "NotFound", "not found")
+        cur["metadata"]["ownerReferences"] = copy.deepcopy(owner_references)
+        cur["metadata"]["resourceVersion"] = str(next(self.rv))
+        return copy.deepcopy(cur)
+
     def delete(self, api_version, kind, namespace, name, propagation="Background"):
         self.calls.append(("delete", kind, name))
         return self.objects.pop(_key(api_version, kind, namespace, name), None) is not None

@@ -2,6 +2,8 @@
 
 import copy
 
+import pytest
+
 from kiln.operator import builders as b
 from kiln.operator import constants as c
 from kiln.common.enginespec import engine_hash
@@ -69,7 +71,8 @@ def test_cpu_engine_requests_no_gpu():
 
 def test_build_job_builds_into_the_hash_path_with_limits():
     j = b.build_job({**SPEC, "build": {"quantization": "int4-awq", "backoffLimit": 2, "activeDeadlineSeconds": 900}}, H, OWNER)
-    assert j["metadata"]["name"] == f"smollm2-build-{H[:10]}"
+    assert j["metadata"]["name"] == f"kiln-build-{H}-kiln-engine-cache"
+    assert j["metadata"]["ownerReferences"] == [b.owner_ref(OWNER, controller=False)]
     assert j["spec"]["backoffLimit"] == 2 and j["spec"]["activeDeadlineSeconds"] == 900
     ctr = container(j)
     assert ctr["command"] == ["kiln", "build"]
@@ -123,8 +126,8 @@ def test_cache_claim_and_record_are_not_owned():
 
 def test_names_fit_dns_labels():
     long = {"name": "x" * 63, "namespace": "n", "uid": "u"}
-    assert len(b.job_name(long, H)) <= 63
-    assert b.job_name(long, H) != b.job_name({**long, "name": "x" * 62 + "y"}, H)
+    assert len(b.job_name("c" * 63, H)) <= 63
+    assert b.job_name("c" * 63, H) != b.job_name("c" * 62 + "d", H)
     assert len(b.deployment_name(long)) <= 63
     assert b.to_quantity(0.5) == "500m" and b.to_quantity(3) == "3" and b.to_quantity(0.001) == "1m"
 
@@ -184,3 +187,58 @@ def test_serving_pods_keep_the_triton_cache_on_the_engine_claim():
     own["runtime"]["env"] = [{"name": "TRITON_CACHE_DIR", "value": "/tmp/mine"}]
     env = [e for e in container(b.deployment(own, H, OWNER, replicas=1))["env"] if e["name"] == "TRITON_CACHE_DIR"]
     assert env == [{"name": "TRITON_CACHE_DIR", "value": "/tmp/mine"}]  # the user's own setting wins, once
+
+
+def test_serve_args_parse_with_the_real_kiln_serve_parser():
+    """Every flag the Deployment passes is one `kiln serve` accepts (its own parser, not a copy)."""
+    cli = pytest.importorskip("kiln.runtime.cli")
+    spec = {**SPEC, "runtime": {"maxNumSeqs": 32, "maxNumBatchedTokens": 2048, "maxModelLen": 2048, "blockSize": 32,
+                                "kvCacheMemoryFraction": 0.5, "schedulerPolicy": "guaranteed_no_evict"},
+            "resources": {"gpus": 1}}
+    for s in (SPEC, spec, {**SPEC, "resources": {"gpus": 0}}):
+        ctr = container(b.deployment(s, H, OWNER, replicas=1))
+        ns = cli.build_parser().parse_args(ctr["command"][1:] + ctr["args"])
+        assert ns.command == "serve" and ns.engine == f"/engines/{H}" and ns.port == 8000
+    ns = cli.build_parser().parse_args(["serve"] + container(b.deployment(spec, H, OWNER, replicas=1))["args"])
+    assert (ns.max_num_seqs, ns.max_num_batched_tokens, ns.max_model_len, ns.block_size) == (32, 2048, 2048, 32)
+    assert ns.scheduler_policy == "guaranteed_no_evict" and ns.device == "cuda"
+    from kiln.operator.spec import EngineSpecError, parse_spec
+
+    with pytest.raises(EngineSpecError, match="tensorParallelSize"):  # kiln serve has no such flag yet
+        parse_spec({**SPEC, "runtime": {"tensorParallelSize": 2}})
+
+
+def test_api_key_comes_from_the_secret_and_probes_stay_open():
+    spec = {**SPEC, "runtime": {"apiKeySecretRef": {"name": "kiln-key", "key": "token"}}}
+    ctr = container(b.deployment(spec, H, OWNER, replicas=1))
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["KILN_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "kiln-key", "key": "token"}}
+    assert "--api-key" not in ctr["args"]  # never in the pod spec in clear
+    assert ctr["startupProbe"]["httpGet"]["path"] == "/ready" and ctr["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert "httpHeaders" not in ctr["readinessProbe"]["httpGet"]
+
+
+def test_dotted_and_long_names_give_valid_child_names():
+    import re
+
+    for name in ("llama-3.1-8b", "9lives", "a" * 253, "a." * 100 + "b"):
+        owner = {**OWNER, "name": name}
+        svc = b.service(SPEC, owner)["metadata"]["name"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", svc) and len(svc) <= 63, svc
+        for v in b.labels(owner, "server").values():
+            assert len(v) <= 63 and re.fullmatch(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", v), v
+    assert b.deployment_name({**OWNER, "name": "llama-3.1-8b"}) != b.deployment_name({**OWNER, "name": "llama-3-1-8b"})
+    assert b.deployment_name(OWNER) == "smollm2"
+    assert b.label_value("x" * 70 + "a") != b.label_value("x" * 70 + "b")
+
+
+def test_build_scratch_and_shm_have_size_limits_and_the_termination_log_is_kept():
+    j = b.build_job(SPEC, H, OWNER)
+    ctr = container(j)
+    tmp = next(v for v in j["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")
+    assert tmp["emptyDir"]["sizeLimit"] == "64Gi" and ctr["resources"]["requests"]["ephemeral-storage"] == "64Gi"
+    assert ctr["args"][ctr["args"].index("--termination-log") + 1] == "/dev/termination-log"
+    assert ctr["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    dep = b.deployment(SPEC, H, OWNER, replicas=1)
+    shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}

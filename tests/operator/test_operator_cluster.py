@@ -219,7 +219,7 @@ def test_valid_examples_reconcile_to_their_children(plane, admin, ns):
         assert admin.get("v1", "Service", ns, b.deployment_name(owner)) is not None
         claim = (obj["spec"].get("storage") or {}).get("claimName", "kiln-engine-cache")
         assert admin.get("v1", "PersistentVolumeClaim", ns, claim) is not None
-        has_job = admin.get("batch/v1", "Job", ns, b.job_name(owner, ie["status"]["engineHash"])) is not None
+        has_job = admin.get("batch/v1", "Job", ns, b.job_name(claim, ie["status"]["engineHash"])) is not None
         has_record = admin.get("v1", "ConfigMap", ns, b.record_name(claim, ie["status"]["engineHash"])) is not None
         assert has_job or has_record
         assert ie["status"]["selector"] == b.selector_string(owner)
@@ -247,7 +247,7 @@ def test_build_success_gives_a_deployment_with_the_engine_hash(plane, admin, ns)
     for t, s in (("EngineBuilt", "True"), ("Available", "True"), ("Progressing", "False"), ("Degraded", "False")):
         x = condition(ie, t)
         assert x["status"] == s and x["observedGeneration"] == ie["metadata"]["generation"] and x["lastTransitionTime"]
-    job = admin.get("batch/v1", "Job", ns, f"smollm2-build-{h[:10]}")
+    job = admin.get("batch/v1", "Job", ns, b.job_name("kiln-engine-cache", h))
     assert job["metadata"]["ownerReferences"][0]["uid"] == ie["metadata"]["uid"]
     events = admin.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
     reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == "smollm2"}
@@ -290,7 +290,7 @@ def test_spec_change_builds_first_then_rolls_and_revert_reuses(plane, admin, ns)
         get_ie(admin, ns, "smollm2")), 30)
     h2 = ie["status"]["engineHash"]
     assert h2 == engine_hash(ie["spec"])
-    wait_for("new build Job", lambda: admin.get("batch/v1", "Job", ns, f"smollm2-build-{h2[:10]}"), 30)
+    wait_for("new build Job", lambda: admin.get("batch/v1", "Job", ns, b.job_name("kiln-engine-cache", h2)), 30)
     time.sleep(6)  # a resync passes; the old Deployment must stay as it was
     dep = admin.get("apps/v1", "Deployment", ns, "smollm2")
     assert dep["metadata"]["generation"] == dep1["metadata"]["generation"]

@@ -18,6 +18,7 @@ OWNER = {"name": "smollm2", "namespace": "team-a", "uid": "u-1"}
 RAW = {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int4-awq"}, "replicas": 2}
 SPEC = parse_spec(RAW)
 H = SPEC.engine_hash
+CLAIM = "kiln-engine-cache"
 
 
 def spec(**changes):
@@ -31,7 +32,8 @@ def job(hash_, state="running", **status):
                         "conditions": [{"type": "Complete", "status": "True"}]},
           "failed": {"failed": 2, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
                                                   "message": "Job has reached the specified backoff limit"}]}}[state]
-    return {"metadata": {"name": b.job_name(OWNER, hash_)}, "status": {**st, **status}}
+    return {"metadata": {"name": b.job_name("kiln-engine-cache", hash_),
+                         "labels": b.build_labels("kiln-engine-cache", hash_)}, "status": {**st, **status}}
 
 
 def record(hash_, built_by="team-a/smollm2-build-x"):
@@ -74,7 +76,7 @@ def test_new_resource_is_pending_to_building():
     st = p.status
     assert st["engineHash"] == H and st["model"] == "builtin:smollm2-135m-instruct"
     assert st["endpoint"] == "http://smollm2.team-a.svc:8000/v1" and st["selector"] == b.selector_string(OWNER)
-    assert st["build"] == {"jobName": b.job_name(OWNER, H), "state": "Pending",
+    assert st["build"] == {"jobName": b.job_name("kiln-engine-cache", H), "state": "Pending",
                            "message": f"building engine {H} with int4-awq"}
     assert (st["replicas"], st["readyReplicas"]) == (0, 0) and "servingEngineHash" not in st
     assert all(x["observedGeneration"] == 3 and x["lastTransitionTime"] == NOW for x in st["conditions"])
@@ -85,7 +87,7 @@ def test_running_build_creates_nothing_new():
     p = plan(SPEC, observed(jobs=(job(H),)), NOW)
     assert kinds(p) == ["Service"]
     assert p.status["build"]["state"] == "Running" and p.status["build"]["startTime"] == "2026-01-01T00:00:00Z"
-    assert cond(p, "EngineBuilt")["message"] == f"build Job {b.job_name(OWNER, H)} is running"
+    assert cond(p, "EngineBuilt")["message"] == f"build Job {b.job_name(CLAIM, H)} is running"
 
 
 def test_succeeded_build_is_recorded_and_deployed():
@@ -93,7 +95,7 @@ def test_succeeded_build_is_recorded_and_deployed():
     Deployment of the new engine is created in the same plan."""
     p = plan(SPEC, observed(jobs=(job(H, "succeeded"),)), NOW)
     assert kinds(p) == ["ConfigMap", "Deployment", "Service"]
-    assert p.manifest("ConfigMap") == b.engine_record(SPEC, H, OWNER, b.job_name(OWNER, H), "2026-01-01T01:00:00Z")
+    assert p.manifest("ConfigMap") == b.engine_record(SPEC, H, OWNER, b.job_name("kiln-engine-cache", H), "2026-01-01T01:00:00Z")
     assert p.manifest("Deployment") == b.deployment(SPEC, H, OWNER, replicas=2)
     assert p.delete == (ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", "team-a", "smollm2"),)
     assert p.built and p.serving_hash == H and p.replicas == 2 and p.phase == c.PHASE_DEPLOYING
@@ -158,9 +160,9 @@ def test_invalid_spec_is_degraded_and_touches_nothing():
 def test_suspend_stops_a_running_build():
     p = plan(spec(suspend=True), observed(jobs=(job(H),)), NOW)
     assert "Job" not in kinds(p)
-    assert p.delete == (ChildRef("batch/v1", "Job", "team-a", b.job_name(OWNER, H)),)
+    assert p.delete == (ChildRef("batch/v1", "Job", "team-a", b.job_name("kiln-engine-cache", H)),)
     assert p.phase == c.PHASE_SUSPENDED
-    assert p.status["build"] == {"state": "Pending", "jobName": b.job_name(OWNER, H), "message": "suspended"}
+    assert p.status["build"] == {"state": "Pending", "jobName": b.job_name("kiln-engine-cache", H), "message": "suspended"}
     assert reasons(p) == {"EngineBuilt": ("False", "Suspended"), "Available": ("False", "Suspended"),
                           "Progressing": ("False", "ReconcileComplete"), "Degraded": ("False", "AsExpected")}
     assert plan(spec(suspend=True), observed(), NOW).delete == ()  # nothing runs: nothing to stop

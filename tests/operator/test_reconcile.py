@@ -64,7 +64,7 @@ def test_build_then_deploy(kube, rec):
     out2 = rec.reconcile(ie(kube))
     assert not out2.status_written and "Job" not in out2.applied
     assert len(kube.list("batch/v1", "Job", NS)) == 1
-    finish_job(kube, f"smollm2-build-{h[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h))
     out3 = rec.reconcile(ie(kube))
     assert out3.built and out3.serving_hash == h
     dep = kube.get("apps/v1", "Deployment", NS, "smollm2")
@@ -98,7 +98,7 @@ def test_build_failure_degrades_without_a_deployment(kube, rec):
     make_ie(kube, SPEC)
     h = engine_hash(SPEC)
     rec.reconcile(ie(kube))
-    finish_job(kube, f"smollm2-build-{h[:10]}", ok=False)
+    finish_job(kube, b.job_name("kiln-engine-cache", h), ok=False)
     out = rec.reconcile(ie(kube))
     assert out.phase == c.PHASE_DEGRADED
     body = ie(kube)
@@ -115,7 +115,7 @@ def test_spec_change_waits_for_the_new_engine_and_revert_reuses_the_old(kube, re
     make_ie(kube, SPEC)
     h1 = engine_hash(SPEC)
     rec.reconcile(ie(kube))
-    finish_job(kube, f"smollm2-build-{h1[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h1))
     rec.reconcile(ie(kube))
     dep1 = kube.get("apps/v1", "Deployment", NS, "smollm2")
     spec2 = {**SPEC, "build": {"quantization": "fp8"}}
@@ -126,7 +126,7 @@ def test_spec_change_waits_for_the_new_engine_and_revert_reuses_the_old(kube, re
     assert out.hash == h2 and "Job" in out.applied and out.serving_hash == h1
     assert kube.get("apps/v1", "Deployment", NS, "smollm2") == dep1  # untouched
     assert ie(kube)["status"]["servingEngineHash"] == h1
-    finish_job(kube, f"smollm2-build-{h2[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h2))
     rec.reconcile(ie(kube))
     dep2 = kube.get("apps/v1", "Deployment", NS, "smollm2")
     assert dep2["spec"]["template"]["metadata"]["labels"][c.LABEL_ENGINE_HASH] == h2
@@ -143,12 +143,89 @@ def test_engine_shared_across_resources_in_a_namespace(kube, rec):
     make_ie(kube, SPEC, "a")
     h = engine_hash(SPEC)
     rec.reconcile(ie(kube, "a"))
-    finish_job(kube, f"a-build-{h[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h))
     rec.reconcile(ie(kube, "a"))
     make_ie(kube, SPEC, "b")
     out = rec.reconcile(ie(kube, "b"))
     assert out.built and "Job" not in out.applied
-    assert cond(ie(kube, "b"), "EngineBuilt")["reason"] == "EngineCached"
+    assert cond(ie(kube, "b"), "EngineBuilt")["reason"] in ("EngineCached", "BuildSucceeded")
+
+
+def test_resources_sharing_a_spec_share_one_build_job_owned_by_all(kube, rec):
+    names = [f"r{i}" for i in range(20)]
+    for n in names:
+        make_ie(kube, SPEC, n)
+    for _ in range(2):  # a second round sets the owners of the Job the first round created
+        for n in names:
+            rec.reconcile(ie(kube, n))
+    jobs = kube.list("batch/v1", "Job", NS)
+    assert len(jobs) == 1 and jobs[0]["metadata"]["name"] == b.job_name("kiln-engine-cache", engine_hash(SPEC))
+    owners = {r["name"] for r in jobs[0]["metadata"]["ownerReferences"]}
+    assert owners == set(names) and not any(r.get("controller") for r in jobs[0]["metadata"]["ownerReferences"])
+    # one resource moving to another spec does not stop the build the others still need
+    make_ie(kube, {**SPEC, "build": {"quantization": "fp8"}}, "r0")
+    rec.reconcile(ie(kube, "r0"))
+    assert b.job_name("kiln-engine-cache", engine_hash(SPEC)) in [j["metadata"]["name"] for j in kube.list("batch/v1", "Job", NS)]
+    assert len(kube.list("batch/v1", "Job", NS)) == 2
+    rec.reconcile(ie(kube, "r1"))
+    job = kube.get("batch/v1", "Job", NS, b.job_name("kiln-engine-cache", engine_hash(SPEC)))
+    assert "r0" not in {r["name"] for r in job["metadata"]["ownerReferences"]}
+
+
+def test_long_names_sharing_63_characters_keep_their_own_children(kube, rec):
+    a, b2 = "x" * 70 + "a", "x" * 70 + "b"
+    for n in (a, b2):
+        make_ie(kube, SPEC, n)
+    for _ in range(3):
+        for n in (a, b2):
+            rec.reconcile(ie(kube, n))
+    deps = {d["metadata"]["name"] for d in kube.list("apps/v1", "Deployment", NS)} | \
+        {s["metadata"]["name"] for s in kube.list("v1", "Service", NS)}
+    assert len(kube.list("batch/v1", "Job", NS)) == 1
+    assert not [x for x in kube.writes() if x[0] == "delete"]
+    assert len(deps) == 2 and all(len(n) <= 63 for n in deps)
+    sel = {ie(kube, n)["status"]["selector"] for n in (a, b2)}
+    assert len(sel) == 2
+
+
+class RefusingKube(FakeKube):
+    """Refuses applies of one kind as the API server refuses an invalid object."""
+
+    def __init__(self, kind, status=422, reason="Invalid", message="spec.ports: bad"):
+        super().__init__()
+        self.refuse = (kind, status, reason, message)
+
+    def apply(self, obj, subresource=None, **kw):
+        from kiln.operator.kube import ApiError
+
+        if obj["kind"] == self.refuse[0] and subresource is None:
+            raise ApiError(*self.refuse[1:])
+        return super().apply(obj, subresource=subresource, **kw)
+
+
+def test_a_child_the_api_server_refuses_degrades_with_its_message_and_an_event():
+    kube = RefusingKube("Service", message='Service "x.y" is invalid: metadata.name: Invalid value')
+    rec = Reconciler(kube)
+    make_ie(kube, SPEC)
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED
+    d = cond(ie(kube), "Degraded")
+    assert d["status"] == "True" and d["reason"] == "ServiceRejected" and "metadata.name: Invalid value" in d["message"]
+    events = kube.list("v1", "Event", NS)
+    assert any(e["reason"] == "ServiceRejected" and e["type"] == "Warning" for e in events)
+
+
+def test_a_forbidden_child_is_in_the_status_and_retried():
+    from kiln.operator.kube import ApiError
+
+    kube = RefusingKube("ConfigMap", 403, "Forbidden", "configmaps is forbidden")
+    rec = Reconciler(kube)
+    make_ie(kube, SPEC)
+    rec.reconcile(ie(kube))
+    finish_job(kube, b.job_name("kiln-engine-cache", engine_hash(SPEC)))
+    with pytest.raises(ApiError):
+        rec.reconcile(ie(kube))
+    assert cond(ie(kube), "Degraded")["reason"] == "ConfigMapRejected"
 
 
 def test_superseded_running_build_is_stopped(kube, rec):
@@ -158,7 +235,7 @@ def test_superseded_running_build_is_stopped(kube, rec):
     make_ie(kube, {**SPEC, "build": {"quantization": "fp8"}})
     rec.reconcile(ie(kube))
     names = [j["metadata"]["name"] for j in kube.list("batch/v1", "Job", NS)]
-    assert f"smollm2-build-{h1[:10]}" not in names and len(names) == 1
+    assert b.job_name("kiln-engine-cache", h1) not in names and len(names) == 1
 
 
 def test_suspend_scales_to_zero_and_stops_builds(kube, rec):
@@ -172,7 +249,7 @@ def test_suspend_scales_to_zero_and_stops_builds(kube, rec):
     assert kube.list("batch/v1", "Job", NS) == []  # stays stopped
     make_ie(kube, SPEC)
     rec.reconcile(ie(kube))
-    finish_job(kube, f"smollm2-build-{h[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h))
     rec.reconcile(ie(kube))
     assert kube.get("apps/v1", "Deployment", NS, "smollm2")["spec"]["replicas"] == 2
     make_ie(kube, {**SPEC, "suspend": True})
@@ -192,7 +269,7 @@ def test_autoscaling_modes_own_replicas_exclusively(kube):
     make_ie(kube, spec)
     h = engine_hash(spec)
     rec.reconcile(ie(kube))
-    finish_job(kube, f"smollm2-build-{h[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h))
     rec.reconcile(ie(kube))
     assert kube.get("autoscaling/v2", "HorizontalPodAutoscaler", NS, "smollm2") is not None
     kube.objects[("apps/v1", "Deployment", NS, "smollm2")]["spec"]["replicas"] = 4  # the HPA scaled
@@ -264,7 +341,7 @@ def test_a_serving_spec_edit_reports_the_rollout_at_once(kube, rec):
     make_ie(kube, SPEC)
     h = engine_hash(SPEC)
     rec.reconcile(ie(kube))
-    finish_job(kube, f"smollm2-build-{h[:10]}")
+    finish_job(kube, b.job_name("kiln-engine-cache", h))
     rec.reconcile(ie(kube))
     kube.set_status("apps/v1", "Deployment", NS, "smollm2",
                     {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2})

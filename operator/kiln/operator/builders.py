@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from decimal import Decimal
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Sequence, Union
 
 from kiln.common.enginespec import canonical_json, engine_dir
 
@@ -23,6 +24,7 @@ Obj = dict[str, Any]
 Spec = Union[InferenceEngineSpec, Mapping[str, Any]]  # parsed, or a plain spec dict (parsed here)
 
 MAX_NAME = 63  # DNS label: Job, Service and label values
+_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 def child_name(base: str, suffix: str = "", limit: int = MAX_NAME) -> str:
@@ -37,26 +39,72 @@ def child_name(base: str, suffix: str = "", limit: int = MAX_NAME) -> str:
     return f"{head}-{digest}-{suffix}" if suffix else f"{head}-{digest}"
 
 
+def label_value(value: str) -> str:
+    """``value`` as a valid label value (at most 63 characters, alphanumeric at both ends).
+    A longer value keeps its head and gets 8 hex chars of sha256 of the whole, so two names
+    that share their first 63 characters never share a label (and so never a selector)."""
+    if len(value) <= MAX_NAME:
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+    return f"{value[:MAX_NAME - 9].rstrip('-._')}-{digest}"
+
+
+def dns_label(value: str) -> str:
+    """``value`` as an RFC 1035 label (what a Service name must be: lowercase alphanumerics
+    and ``-``, a letter first, at most 63 characters).  A name that already is one stays as it
+    is; any other (dots, a leading digit, too long) is rewritten and gets 8 hex chars of sha256
+    of the original, so distinct resource names give distinct child names."""
+    if len(value) <= MAX_NAME and _DNS1035.fullmatch(value):
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+    head = re.sub(r"[^a-z0-9-]+", "-", value.lower())
+    if not head[:1].isalpha():
+        head = "x" + head
+    head = head[:MAX_NAME - 9].strip("-")
+    return f"{head}-{digest}"
+
+
+def owner_ref(owner: Mapping[str, Any], controller: bool = True) -> Obj:
+    """An owner reference to an InferenceEngine (children are garbage-collected with it).
+    The serving children have one controller reference (``blockOwnerDeletion`` keeps
+    foreground deletion ordered); a shared build Job has one plain reference per resource
+    that needs it, so it lives while any of them does."""
+    ref: Obj = {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": owner["name"], "uid": owner["uid"]}
+    if controller:
+        ref.update(controller=True, blockOwnerDeletion=True)
+    return ref
+
+
 def owner_reference(owner: Mapping[str, Any]) -> Obj:
-    """The controller owner reference to an InferenceEngine (children are garbage-collected
-    with it; ``blockOwnerDeletion`` keeps foreground deletion ordered)."""
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": owner["name"],
-            "uid": owner["uid"], "controller": True, "blockOwnerDeletion": True}
+    """The controller owner reference to an InferenceEngine (``owner_ref``)."""
+    return owner_ref(owner)
 
 
 def labels(owner: Mapping[str, Any], component: str, hash_: str | None = None) -> dict[str, str]:
     """Standard labels of a child of ``owner``."""
-    out = {c.LABEL_NAME: c.APP_NAME, c.LABEL_INSTANCE: owner["name"][:63],
+    out = {c.LABEL_NAME: c.APP_NAME, c.LABEL_INSTANCE: label_value(owner["name"]),
            c.LABEL_COMPONENT: component, c.LABEL_MANAGED_BY: c.MANAGED_BY,
-           c.LABEL_PART_OF: "kiln", c.LABEL_ENGINE: owner["name"][:63]}
+           c.LABEL_PART_OF: "kiln", c.LABEL_ENGINE: label_value(owner["name"])}
     if hash_:
         out[c.LABEL_ENGINE_HASH] = hash_
     return out
 
 
+def build_labels(claim: str, hash_: str) -> dict[str, str]:
+    """Labels of a build Job and its pods: shared by every resource that needs engine
+    ``hash_`` on ``claim``, so no resource name appears."""
+    return {c.LABEL_NAME: c.APP_NAME, c.LABEL_COMPONENT: c.COMPONENT_BUILD, c.LABEL_MANAGED_BY: c.MANAGED_BY,
+            c.LABEL_PART_OF: "kiln", c.LABEL_ENGINE_HASH: hash_, c.LABEL_CACHE_CLAIM: label_value(claim)}
+
+
+def build_selector(claim: str) -> str:
+    """Label selector of the build Jobs (and their pods) of one cache claim."""
+    return f"{c.LABEL_COMPONENT}={c.COMPONENT_BUILD},{c.LABEL_CACHE_CLAIM}={label_value(claim)}"
+
+
 def selector_labels(owner: Mapping[str, Any]) -> dict[str, str]:
     """Immutable selector of the serving pods."""
-    return {c.LABEL_ENGINE: owner["name"][:63], c.LABEL_COMPONENT: c.COMPONENT_SERVER}
+    return {c.LABEL_ENGINE: label_value(owner["name"]), c.LABEL_COMPONENT: c.COMPONENT_SERVER}
 
 
 def selector_string(owner: Mapping[str, Any]) -> str:
@@ -74,14 +122,24 @@ def _meta(owner: Mapping[str, Any], name: str, component: str, hash_: str | None
 
 
 def deployment_name(owner: Mapping[str, Any]) -> str:
-    """Name of the serving Deployment (also the Service and the HPA)."""
-    return child_name(owner["name"])
+    """Name of the serving Deployment, the Service and the HPA: the resource's name when it
+    is a valid Service name, else ``dns_label`` of it (``llama-3.1-8b`` ->
+    ``llama-3-1-8b-<8 hex>``)."""
+    return dns_label(owner["name"])
 
 
-def job_name(owner: Mapping[str, Any], hash_: str) -> str:
-    """Name of the build Job for ``hash_``: deterministic, so a restarted operator finds the
-    Job it created instead of creating a duplicate."""
-    return child_name(owner["name"], f"build-{hash_[:10]}")
+def job_name(claim: str, hash_: str) -> str:
+    """Name of the build Job of engine ``hash_`` on cache claim ``claim``: one Job per
+    (claim, engine), shared by every resource of the namespace that needs that engine, and
+    deterministic, so a restarted operator finds the Job instead of creating another.  At most
+    63 characters (the Job controller puts it in a pod label): a long claim name is cut and
+    gets 8 hex chars of sha256 of the whole."""
+    base = f"kiln-build-{hash_}"
+    full = f"{base}-{claim}"
+    if len(full) <= MAX_NAME:
+        return full
+    digest = hashlib.sha256(claim.encode()).hexdigest()[:8]
+    return f"{base}-{claim[:MAX_NAME - len(base) - 10].rstrip('-.')}-{digest}"
 
 
 def record_name(claim: str, hash_: str) -> str:
@@ -171,27 +229,33 @@ def engine_record(spec: Spec, hash_: str, owner: Mapping[str, Any], job: str,
     meta = _meta(owner, record_name(claim, hash_), c.COMPONENT_RECORD, hash_, owned=False)
     meta["labels"].pop(c.LABEL_ENGINE)
     meta["labels"].pop(c.LABEL_INSTANCE)
-    meta["labels"][c.LABEL_CACHE_CLAIM] = claim[:63]
+    meta["labels"][c.LABEL_CACHE_CLAIM] = label_value(claim)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {"engineHash": hash_, "claimName": claim, "path": engine_dir(c.DEFAULT_CACHE_ROOT, hash_),
                      "buildSpec": canonical_json(spec.engine.to_dict()), "builtBy": f"{owner['namespace']}/{job}",
                      "completedAt": completed_at}}
 
 
-def build_job(spec: Spec, hash_: str, owner: Mapping[str, Any],
+def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
               default_image: str = c.DEFAULT_RUNTIME_IMAGE) -> Obj:
     """The build Job: ``kiln build`` writing ``/engines/<hash>`` on the cache claim.  GPUs only
     when the build calibrates; ``backoffLimit`` and ``activeDeadlineSeconds`` from
-    ``spec.build``."""
+    ``spec.build``.  ``owners`` are the InferenceEngines that need the engine (one plain owner
+    reference each: the Job is garbage-collected when the last of them is deleted); the pod
+    settings come from ``spec``, the first of them."""
     spec = as_spec(spec)
+    if isinstance(owners, Mapping):
+        owners = [owners]
+    claim = spec.storage.claim_name
     bs, model = spec.engine, spec.model
     gpus = spec.resources.gpus if bs.calibrates else 0
     args = bs.to_build_args(engine_dir(c.DEFAULT_CACHE_ROOT, hash_), models_mount=c.MODELS_MOUNT)
+    args += ["--termination-log", c.TERMINATION_LOG]  # the failure's cause reaches the status
     mounts = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT},
               {"name": "tmp", "mountPath": c.TMP_MOUNT}]
     volumes: list[Obj] = [
         {"name": "engines", "persistentVolumeClaim": {"claimName": spec.storage.claim_name}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": spec.build.scratch_size}},
     ]
     env: list[Obj] = [{"name": "HOME", "value": c.TMP_MOUNT},
                       {"name": "KILN_ENGINE_HASH", "value": hash_},
@@ -211,14 +275,20 @@ def build_job(spec: Spec, hash_: str, owner: Mapping[str, Any],
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kiln", "build"], "args": args, "env": env, "volumeMounts": mounts,
         "securityContext": _container_security(),
+        "terminationMessagePath": c.TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    resources = _resources(spec.build.resources, gpus, spec.resources.gpu_resource_name)
+    requests = dict(spec.build.resources.requests)
+    requests.setdefault("ephemeral-storage", spec.build.scratch_size)  # the download folder
+    resources = _resources(ComputeResources(requests, spec.build.resources.limits), gpus,
+                           spec.resources.gpu_resource_name)
     if resources:
         container["resources"] = resources
-    pod_labels = labels(owner, c.COMPONENT_BUILD, hash_)
+    pod_labels = build_labels(claim, hash_)
+    meta = {"name": job_name(claim, hash_), "namespace": owners[0]["namespace"], "labels": dict(pod_labels),
+            "ownerReferences": build_owner_refs(owners)}
     return {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": _meta(owner, job_name(owner, hash_), c.COMPONENT_BUILD, hash_),
+        "metadata": meta,
         "spec": {
             "backoffLimit": spec.build.backoff_limit,
             "activeDeadlineSeconds": spec.build.active_deadline_seconds,
@@ -230,6 +300,11 @@ def build_job(spec: Spec, hash_: str, owner: Mapping[str, Any],
             },
         },
     }
+
+
+def build_owner_refs(owners: Sequence[Mapping[str, Any]]) -> list[Obj]:
+    """The owner references of a shared build Job: one plain reference per resource, sorted."""
+    return [owner_ref(o, controller=False) for o in sorted(owners, key=lambda o: o["uid"])]
 
 
 def serve_args(spec: Spec, hash_: str, owner: Mapping[str, Any]) -> list[str]:
@@ -269,6 +344,9 @@ def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, 
         if not any(e["name"] == "TRITON_CACHE_DIR" for e in user_env):
             env.append({"name": "TRITON_CACHE_DIR", "value": f"{c.COMPILE_CACHE_MOUNT}/triton"})
     env += user_env
+    if rt.api_key is not None:  # kiln serve reads its API key from KILN_API_KEY; probes stay open
+        env.append({"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": rt.api_key.name, "key": rt.api_key.key}}})
     container: Obj = {
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
         "imagePullPolicy": spec.image_pull_policy,
@@ -283,6 +361,7 @@ def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, 
                           "failureThreshold": 6, "timeoutSeconds": 5},
         "volumeMounts": mounts,
         "securityContext": _container_security(),
+        "terminationMessagePath": c.TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(res.compute, res.gpus * rt.tensor_parallel_size, res.gpu_resource_name)
     if resources:
@@ -319,7 +398,7 @@ def deployment(spec: Spec, hash_: str, owner: Mapping[str, Any], *,
                              # read-only unless the compile cache needs its one writable subPath
                              "readOnly": not spec.keeps_compile_cache}},
                          {"name": "tmp", "emptyDir": {}},
-                         {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}}],
                      **_pod_placement(spec)},
         },
     }

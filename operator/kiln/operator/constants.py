@@ -42,6 +42,7 @@ COMPONENT_RECORD = "engine-record"
 
 CONTAINER_NAME = "kiln"
 MODELS_MOUNT = "/models"  # where a model source claim (spec.model.pvc) is mounted
+TERMINATION_LOG = "/dev/termination-log"  # a container's termination message (Kubernetes' default path)
 TMP_MOUNT = "/tmp"  # writable scratch (the root filesystem is read-only)
 # The serving pods' Triton kernel cache: a folder on the engine cache claim (created by the
 # build Job, kiln.runtime.compile_cache), mounted read-write there.

@@ -60,7 +60,7 @@ class Controller:
         self.kube = kube
         self.config = config or ControllerConfig()
         self.autoscaler = autoscaler or BuiltinAutoscaler()
-        self.reconciler = Reconciler(kube, reconciler_config, scaler=self.autoscaler.wish)
+        self.reconciler = Reconciler(kube, reconciler_config, scaler=self.autoscaler.wish, peers=self.engines_in)
         self.bodies: dict[str, dict] = {}  # key -> last seen InferenceEngine
         self.failures: dict[str, int] = {}
         self.num_reconciles = 0
@@ -79,17 +79,41 @@ class Controller:
             self.bodies.pop(key, None)
             self.failures.pop(key, None)
             self.autoscaler.forget(key)
+            self.reconciler.forget(body["metadata"].get("uid", ""))
             return
         if _rv(body) >= _rv(self.bodies.get(key)):
             self.bodies[key] = _plain(body)
         self.enqueue(key)
 
     def observe_child(self, body: Mapping[str, Any]) -> None:
-        """A child's watch event: reconcile its InferenceEngine."""
+        """A child's watch event: reconcile its InferenceEngines (every owner of a shared
+        build Job)."""
         meta = body.get("metadata") or {}
         for ref in meta.get("ownerReferences") or []:
             if ref.get("kind") == c.KIND and ref.get("apiVersion", "").startswith(c.GROUP + "/"):
                 self.enqueue(f"{meta.get('namespace')}/{ref.get('name')}")
+
+    def observe_pod(self, body: Mapping[str, Any]) -> None:
+        """A Kiln pod's watch event: reconcile the InferenceEngines it serves or builds for (a
+        crash, a failed start or an unschedulable pod changes their status).  Serving pods carry
+        their resource's label; build pods the engine hash, shared by every resource needing it."""
+        meta = body.get("metadata") or {}
+        labels, ns = meta.get("labels") or {}, meta.get("namespace")
+        if labels.get(c.LABEL_COMPONENT) == c.COMPONENT_SERVER:
+            engine = labels.get(c.LABEL_ENGINE)
+            for key, eng in list(self.bodies.items()):
+                m = eng["metadata"]
+                if m.get("namespace") == ns and b.label_value(m.get("name", "")) == engine:
+                    self.enqueue(key)
+        elif labels.get(c.LABEL_COMPONENT) == c.COMPONENT_BUILD:
+            h = labels.get(c.LABEL_ENGINE_HASH)
+            for key, eng in list(self.bodies.items()):
+                if eng["metadata"].get("namespace") == ns and (eng.get("status") or {}).get("engineHash") == h:
+                    self.enqueue(key)
+
+    def engines_in(self, namespace: str) -> list[dict]:
+        """The InferenceEngines of ``namespace`` as last seen (the reconciler's peers)."""
+        return [body for body in list(self.bodies.values()) if body["metadata"].get("namespace") == namespace]
 
     # --- queue ---------------------------------------------------------------------------------
     def enqueue(self, key: str) -> None:
@@ -119,6 +143,8 @@ class Controller:
                 out = await asyncio.to_thread(self.reconciler.reconcile, body)
                 self.num_reconciles += 1
                 self.failures.pop(key, None)
+                if out.requeue_after is not None:
+                    self._enqueue_later(key, out.requeue_after + 0.5)
                 if out.body is not None and _rv(out.body) > _rv(self.bodies.get(key)) and key in self.bodies:
                     self.bodies[key] = _plain(out.body)
             except Exception as e:  # noqa: BLE001 - logged, retried with backoff

@@ -89,7 +89,8 @@ def load_configuration(cfg: KubeConfig):
 class Kube:
     """Raw JSON access to the API server.  All writes the operator makes go through
     ``apply`` (server-side apply, field manager ``kiln-operator``, force) except the
-    ``delete`` of children it no longer wants and the Lease's compare-and-swap."""
+    ``delete`` of children it no longer wants, the owners of shared build Jobs
+    (``set_owners``) and the Lease's compare-and-swap."""
 
     def __init__(self, cfg: KubeConfig | None = None, configuration: Any = None):
         from kubernetes import client
@@ -156,6 +157,15 @@ class Kube:
         if force:
             q["force"] = "true"
         return self.request("PATCH", path, body=obj, query=q, content_type="application/apply-patch+yaml")
+
+    def set_owners(self, api_version: str, kind: str, namespace: str | None, name: str,
+                   owner_references: list[Obj]) -> Obj:
+        """Replace an object's ``metadata.ownerReferences`` (a JSON merge patch of that one
+        field: the owners of a shared build Job change while its immutable pod template must
+        not be re-applied).  Raises ``ApiError``."""
+        return self.request("PATCH", path_for(api_version, kind, namespace, name),
+                            body={"metadata": {"ownerReferences": owner_references}},
+                            content_type="application/merge-patch+json")
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
                propagation: str = "Background") -> bool:

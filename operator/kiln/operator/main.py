@@ -141,6 +141,10 @@ def build_registry(controller: Controller, kube: Kube):
     async def deployment_event(body: Any, **_: Any) -> None:
         controller.observe_child(body)
 
+    @kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, registry=reg)
+    async def pod_event(body: Any, **_: Any) -> None:
+        controller.observe_pod(body)
+
     return reg
 
 

@@ -8,16 +8,22 @@ The decisions, in order:
 1. The engine cache claim is created when missing (``storage.create``), otherwise its absence
    degrades the resource (``ClaimNotFound``).  It is never owned and never rewritten.
 2. The engine ``<hash>`` is complete when its engine record exists; otherwise the build Job
-   makes it.  A succeeded Job gets its record written, a failed one degrades the resource
-   (``BuildFailed``, no retry storm), a suspended resource has its running build deleted, and
-   builds of hashes no longer wanted are stopped (finished ones are kept).
+   makes it: one Job per (claim, hash), shared and owned by every resource of the namespace
+   that needs it.  A succeeded Job gets its record written, a failed one degrades the resource
+   (``BuildFailed`` with the build's own termination message, no retry storm), a build pod that
+   cannot start or be scheduled degrades it too; builds no resource needs any more (spec
+   changes, suspensions) are stopped (finished ones are kept).
 3. The Deployment serves the spec's engine only once it is complete; until then the old
    Deployment is left alone, so its pods keep serving.  Exactly one owner sets its replicas:
    ``spec.replicas``, the HPA (replicas left out) or the builtin autoscaler's wish.
 4. The Service always (the endpoint is stable before the first pod is ready); the HPA in mode
    ``hpa``, deleted otherwise.
 5. The status: phase, the four conditions with ``observedGeneration``, the engine hash, the
-   endpoint, replicas.  It describes the Deployment as the apply leaves it.
+   endpoint, replicas.  It describes the Deployment as the apply leaves it.  ``Degraded`` says
+   why in the words of whoever knows: the API server refusing a child (``<Kind>Rejected``),
+   the Deployment controller (``ProgressDeadlineExceeded``), the kubelet (``CrashLoopBackOff``,
+   ``CreateContainerConfigError`` with the container's last termination message) or the
+   scheduler (``Unschedulable``, after a short grace: ``diagnose.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any, Mapping
 from . import builders as b
 from . import conditions as cond
 from . import constants as c
+from . import diagnose
+from .diagnose import Problem
 from .spec import InferenceEngineSpec, InvalidSpec
 
 Obj = dict[str, Any]
@@ -43,6 +51,27 @@ class ScalerWish:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """An InferenceEngine of the namespace as far as the build Jobs care: who it is, which
+    engine it needs on which claim, and whether it is suspended (then it needs no build)."""
+
+    owner: Mapping[str, Any]
+    claim: str
+    hash: str
+    suspended: bool = False
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A child the API server refused (the act's answer, planned into the status)."""
+
+    kind: str
+    name: str
+    reason: str  # the API server's Status reason (Invalid, Forbidden, BadRequest...)
+    message: str  # the API server's message
+
+
+@dataclass(frozen=True)
 class Observed:
     """What one reconcile read: the InferenceEngine as last seen and its children.
 
@@ -52,9 +81,14 @@ class Observed:
         status: its ``status`` as last written.
         claim_exists: the engine cache claim exists.
         record: the engine record of the spec's hash on that claim (None: not complete).
-        jobs: the build Jobs of this InferenceEngine, any hash.
+        jobs: the build Jobs of the engine cache claim (shared: one per engine hash).
+        build_pods: the pods of the spec's build Job (read while it is not complete).
+        peers: the InferenceEngines of the namespace (this one included) and the engine each
+            needs: who owns a shared build Job and which builds are still wanted.
         deployment: the serving Deployment, or None.
+        serving_pods: the Deployment's pods.
         wish: the builtin autoscaler's wish (mode ``builtin`` only).
+        refused: children the API server refused in this reconcile's act.
     """
 
     owner: Mapping[str, Any]
@@ -63,8 +97,12 @@ class Observed:
     claim_exists: bool = False
     record: Mapping[str, Any] | None = None
     jobs: tuple[Mapping[str, Any], ...] = ()
+    build_pods: tuple[Mapping[str, Any], ...] = ()
+    peers: tuple[Peer, ...] = ()
     deployment: Mapping[str, Any] | None = None
+    serving_pods: tuple[Mapping[str, Any], ...] = ()
     wish: ScalerWish = field(default_factory=ScalerWish)
+    refused: tuple[Refusal, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,12 +117,17 @@ class ChildRef:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to do: delete ``delete``, then server-side apply ``apply`` in order, then write
-    ``status`` (when it differs from the last one).
+    """What to do: delete ``delete``, then server-side apply ``apply`` in order, then set the
+    owners of shared build Jobs (``owners``), then write ``status`` (when it differs from the
+    last one).
 
     Fields:
         apply: child manifests (full desired state each).
         delete: children no longer wanted.
+        owners: (build Job, its owner references) where the Job's owners must change: every
+            resource that needs a shared Job owns it, so it outlives none of them.
+        requeue_after: seconds until the status may change with nothing else changing (a
+            pending pod's grace running out), None when only an event can change it.
         status: the InferenceEngine's status.
         phase: ``status.phase``.
         hash: the spec's engine hash (None for an invalid spec).
@@ -95,12 +138,14 @@ class Plan:
 
     apply: tuple[Obj, ...] = ()
     delete: tuple[ChildRef, ...] = ()
+    owners: tuple[tuple[ChildRef, tuple[Obj, ...]], ...] = ()
     status: Obj = field(default_factory=dict)
     phase: str = c.PHASE_PENDING
     hash: str | None = None
     built: bool = False
     serving_hash: str | None = None
     replicas: int | None = None
+    requeue_after: float | None = None
 
     def manifest(self, kind: str) -> Obj | None:
         """The manifest of ``kind`` this plan applies, or None."""
@@ -135,12 +180,12 @@ def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, 
         return _plan_invalid(spec, observed, now)
     owner, h = observed.owner, spec.engine_hash
     apply: list[Obj] = []
-    degraded: tuple[str, str] | None = None
+    degraded: Problem | None = None
     if not observed.claim_exists:
         if spec.storage.create:
             apply.append(b.cache_claim(spec, owner))
         else:
-            degraded = ("ClaimNotFound", f"engine cache claim {spec.storage.claim_name} does not exist")
+            degraded = Problem("ClaimNotFound", f"engine cache claim {spec.storage.claim_name} does not exist")
     build = _plan_build(spec, observed, h, degraded, now, default_image)
     apply += build.apply
     degraded = degraded or build.degraded
@@ -163,11 +208,26 @@ def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, 
         else:
             delete.append(ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", owner["namespace"],
                                    b.deployment_name(owner)))
+    recheck = build.recheck
+    if observed.refused:  # the API server's word beats anything planned from what it refused
+        r = observed.refused[0]
+        degraded = Problem(f"{r.kind}Rejected", f"{r.kind} {r.name} was refused by the API server: "
+                                                f"{r.reason}: {r.message}")
+    if degraded is None and after is not None and not spec.suspend:
+        degraded = diagnose.deployment_problem(dep)
+        if degraded is None:
+            degraded, wait = diagnose.pods_problem(observed.serving_pods, now)
+            recheck = _sooner(recheck, wait)
 
     status, phase = _status(spec, observed, build, degraded, after, serving, now)
-    return Plan(apply=tuple(apply), delete=tuple(delete), status=status, phase=phase, hash=h,
+    return Plan(apply=tuple(apply), delete=tuple(delete), owners=build.owners, status=status, phase=phase, hash=h,
                 built=build.built, serving_hash=serving,
-                replicas=None if after is None else int(after["spec"].get("replicas") or 0))
+                replicas=None if after is None else int(after["spec"].get("replicas") or 0),
+                requeue_after=None if degraded is not None else recheck)
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _base_status(observed: Observed, model: str) -> Obj:
@@ -193,20 +253,44 @@ class _Build:
     built: bool  # the spec's engine is complete (or becomes so with this plan's record)
     state: str  # the build Job's state (job_state)
     status: Obj  # status.build
-    degraded: tuple[str, str] | None
+    degraded: Problem | None
     apply: tuple[Obj, ...] = ()
     delete: tuple[ChildRef, ...] = ()
+    owners: tuple[tuple[ChildRef, tuple[Obj, ...]], ...] = ()
+    recheck: float | None = None
 
 
-def _plan_build(spec: InferenceEngineSpec, observed: Observed, h: str, degraded: tuple[str, str] | None,
+def _job_hash(job: Mapping[str, Any]) -> str:
+    return ((job.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ENGINE_HASH, "")
+
+
+def _plan_build(spec: InferenceEngineSpec, observed: Observed, h: str, degraded: Problem | None,
                 now: str, default_image: str) -> _Build:
-    """Step 2: the engine record and the build Job of engine ``h``."""
-    owner = observed.owner
-    jname = b.job_name(owner, h)
+    """Step 2: the engine record and the shared build Job of engine ``h`` on the claim.
+
+    One Job per (claim, engine hash), owned by every resource that needs it; a resource stops
+    a running build only when no resource of the namespace needs that engine any more, so no
+    resource deletes another's Job."""
+    owner, claim = observed.owner, spec.storage.claim_name
+    jname = b.job_name(claim, h)
     job = next((j for j in observed.jobs if j["metadata"]["name"] == jname), None)
+    wanted = {p.hash for p in observed.peers if p.claim == claim and not p.suspended}
+    if not spec.suspend:
+        wanted.add(h)
     delete = [ChildRef("batch/v1", "Job", owner["namespace"], other["metadata"]["name"]) for other in observed.jobs
-              if other is not job and job_state(other)[0] in ("Pending", "Running")
-              and not other["metadata"].get("deletionTimestamp")]
+              if other is not job and _job_hash(other) not in wanted
+              and job_state(other)[0] in ("Pending", "Running") and not other["metadata"].get("deletionTimestamp")]
+    # who owns the Job: every resource that needs engine h on this claim
+    needers = {p.owner["uid"]: p.owner for p in observed.peers
+               if p.claim == claim and p.hash == h and not p.suspended}
+    if not spec.suspend:
+        needers[owner["uid"]] = owner
+    owners: tuple[tuple[ChildRef, tuple[Obj, ...]], ...] = ()
+    if job is not None and needers and not job["metadata"].get("deletionTimestamp"):
+        refs = b.build_owner_refs(list(needers.values()))
+        have = sorted(r.get("uid", "") for r in job["metadata"].get("ownerReferences") or [])
+        if have != sorted(needers):
+            owners = ((ChildRef("batch/v1", "Job", owner["namespace"], jname), tuple(refs)),)
     state, reason, message = job_state(job)
     st: Obj = {"jobName": jname}
     if job:
@@ -221,25 +305,30 @@ def _plan_build(spec: InferenceEngineSpec, observed: Observed, h: str, degraded:
             st = {"state": "Cached", "jobName": (observed.record.get("data") or {}).get("builtBy", "")}
         else:
             st["state"] = "Succeeded" if state == "Succeeded" else "Cached"
-        return _Build(True, state, st, None, delete=tuple(delete))
+        return _Build(True, state, st, None, delete=tuple(delete), owners=owners)
     if state == "Succeeded":
         st["state"] = "Succeeded"
         record = b.engine_record(spec, h, owner, jname, (job.get("status") or {}).get("completionTime") or now)
-        return _Build(True, state, st, None, apply=(record,), delete=tuple(delete))
+        return _Build(True, state, st, None, apply=(record,), delete=tuple(delete), owners=owners)
     if state == "Failed":
+        cause = diagnose.failed_build_cause(observed.build_pods)
         st["state"] = "Failed"
-        st["message"] = f"{reason}: {message}".strip(": ")
-        failed = ("BuildFailed", f"build Job {jname} failed: {reason}" + (f": {message}" if message else ""))
-        return _Build(False, state, st, failed, delete=tuple(delete))
+        st["message"] = "; ".join(x for x in (f"{reason}: {message}".strip(": "), cause) if x)
+        failed = Problem("BuildFailed", f"build Job {jname} failed: {st['message']}")
+        return _Build(False, state, st, failed, delete=tuple(delete), owners=owners)
     if spec.suspend:
-        if job and not job["metadata"].get("deletionTimestamp"):
+        if job and not job["metadata"].get("deletionTimestamp") and not needers:
             delete.append(ChildRef("batch/v1", "Job", owner["namespace"], jname))
         return _Build(False, state, {"state": "Pending", "jobName": jname, "message": "suspended"}, None,
-                      delete=tuple(delete))
+                      delete=tuple(delete), owners=owners)
     st["state"] = state
     st["message"] = f"building engine {h} with {spec.engine.quantization}"
-    apply = (b.build_job(spec, h, owner, default_image),) if job is None and degraded is None else ()
-    return _Build(False, state, st, None, apply=apply, delete=tuple(delete))
+    problem, recheck = diagnose.pods_problem(observed.build_pods, now) if job else (None, None)
+    if problem is not None:
+        problem = Problem(f"Build{problem.reason}", f"build Job {jname}: {problem.message}")
+        st["message"] = problem.message
+    apply = (b.build_job(spec, h, list(needers.values()), default_image),) if job is None and degraded is None else ()
+    return _Build(False, state, st, problem, apply=apply, delete=tuple(delete), owners=owners, recheck=recheck)
 
 
 def _engine_hash_of(dep: Mapping[str, Any] | None) -> str | None:
@@ -282,7 +371,7 @@ def _deployment_after(dep: Mapping[str, Any] | None, desired: Obj | None) -> Obj
             "spec": {"replicas": replicas}, "status": (dep or {}).get("status") or {}}
 
 
-def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: tuple[str, str] | None,
+def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: Problem | None,
                 after: Obj | None, h: str) -> tuple[list[cond.Condition], str]:
     """The four conditions and the phase."""
     ds = (after or {}).get("status") or {}
@@ -311,7 +400,7 @@ def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: tuple[str, s
     else:
         available = cond.Condition(c.COND_AVAILABLE, "False", "EngineNotBuilt", "waiting for the engine")
     if degraded:
-        progressing = cond.Condition(c.COND_PROGRESSING, "False", *degraded)
+        progressing = cond.Condition(c.COND_PROGRESSING, "False", degraded.reason, degraded.message)
     elif not built and not suspended:
         progressing = cond.Condition(c.COND_PROGRESSING, "True", "Building", f"building engine {h}")
     elif after is not None and not rolled and not suspended:
@@ -319,7 +408,7 @@ def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: tuple[str, s
                                      f"{int(ds.get('updatedReplicas') or 0)}/{want} replicas updated")
     else:
         progressing = cond.Condition(c.COND_PROGRESSING, "False", "ReconcileComplete", "desired state reached")
-    degraded_cond = (cond.Condition(c.COND_DEGRADED, "True", *degraded) if degraded
+    degraded_cond = (cond.Condition(c.COND_DEGRADED, "True", degraded.reason, degraded.message) if degraded
                      else cond.Condition(c.COND_DEGRADED, "False", "AsExpected", ""))
     if suspended:
         phase = c.PHASE_SUSPENDED
@@ -334,7 +423,7 @@ def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: tuple[str, s
     return [engine, available, progressing, degraded_cond], phase
 
 
-def _status(spec: InferenceEngineSpec, observed: Observed, build: _Build, degraded: tuple[str, str] | None,
+def _status(spec: InferenceEngineSpec, observed: Observed, build: _Build, degraded: Problem | None,
             after: Obj | None, serving: str | None, now: str) -> tuple[Obj, str]:
     """Step 5: the status to write, and its phase."""
     h = spec.engine_hash

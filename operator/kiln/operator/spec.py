@@ -28,7 +28,8 @@ AUTOSCALING_MODES = ("off", "hpa", "builtin")
 
 @dataclass(frozen=True)
 class SecretKeyRef:
-    """A key of a Secret in the resource's namespace (``model.huggingFace.secretRef``)."""
+    """A key of a Secret in the resource's namespace (``model.huggingFace.secretRef``,
+    ``runtime.apiKeySecretRef``)."""
 
     name: str
     key: str = "token"
@@ -77,11 +78,14 @@ class BuildJobSpec:
         active_deadline_seconds: wall-clock limit of the build Job.
         resources: the build container's requests and limits (a calibrating build also gets
             the GPUs of ``spec.resources``).
+        scratch_size: size of the build's download and scratch folder ``/tmp`` (an
+            ``emptyDir`` size limit and the container's ``ephemeral-storage`` request).
     """
 
     backoff_limit: int = 1
     active_deadline_seconds: int = 7200
     resources: ComputeResources = field(default_factory=ComputeResources)
+    scratch_size: str = "64Gi"  # the download folder (/tmp): ephemeral-storage request and size limit
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class RuntimeSpec:
     compile_cache: bool = True  # keep Triton's kernel cache on the engine cache claim
     extra_args: tuple[str, ...] = ()
     env: tuple[EnvVar, ...] = ()
+    api_key: SecretKeyRef | None = None  # a Secret key served as KILN_API_KEY (kiln serve's API key)
+    shm_size: str = "2Gi"  # size limit of /dev/shm (memory-backed)
 
 
 @dataclass(frozen=True)
@@ -312,17 +318,26 @@ def source_text(model: Any) -> str:
     return ""
 
 
+def _secret_ref(raw: Mapping[str, Any], key: str, path: str, default_key: str | None) -> SecretKeyRef | None:
+    """A ``{name, key}`` Secret reference, or None when absent; ``default_key`` None makes
+    the key required."""
+    secret = _section(raw, key, path)
+    if not secret:
+        return None
+    name = _str(secret, "name", f"{path}.name", None)
+    if name is None:
+        raise EngineSpecError(f"{path}: name is required")
+    k = _str(secret, "key", f"{path}.key", default_key)
+    if k is None:
+        raise EngineSpecError(f"{path}: key is required")
+    return SecretKeyRef(name, k)
+
+
 def _model(raw: Mapping[str, Any]) -> ModelSpec:
     m = _section(raw, "model", "model")
     pvc = _section(m, "pvc", "model.pvc")
     hf = _section(m, "huggingFace", "model.huggingFace")
-    secret = _section(hf, "secretRef", "model.huggingFace.secretRef")
-    token = None
-    if secret:
-        name = _str(secret, "name", "model.huggingFace.secretRef.name", None)
-        if name is None:
-            raise EngineSpecError("model.huggingFace.secretRef: name is required")
-        token = SecretKeyRef(name, _str(secret, "key", "model.huggingFace.secretRef.key", "token"))
+    token = _secret_ref(hf, "secretRef", "model.huggingFace.secretRef", "token")
     return ModelSpec(
         builtin=_str(m, "builtin", "model.builtin", None),
         pvc_claim=_str(pvc, "claimName", "model.pvc.claimName", None),
@@ -351,7 +366,14 @@ def _runtime(raw: Mapping[str, Any], engine: BuildSpec) -> RuntimeSpec:
         tensor_parallel_size=_int(rt, "tensorParallelSize", "runtime.tensorParallelSize", 1),
         compile_cache=_bool(rt, "compileCache", "runtime.compileCache", True),
         extra_args=tuple(str(a) for a in _list(rt, "extraArgs", "runtime.extraArgs")),
-        env=tuple(env))
+        env=tuple(env),
+        api_key=_secret_ref(rt, "apiKeySecretRef", "runtime.apiKeySecretRef", None),
+        shm_size=str(rt.get("shmSize") or "2Gi"))
+    if out.api_key is not None and any(e.name == "KILN_API_KEY" for e in out.env):
+        raise EngineSpecError("runtime.env: KILN_API_KEY is set by runtime.apiKeySecretRef; set one of them")
+    if out.tensor_parallel_size > 1:  # every pod would exit on an unknown flag
+        raise EngineSpecError(f"runtime.tensorParallelSize {out.tensor_parallel_size}: this kiln serve has no "
+                              "tensor parallelism yet (--tensor-parallel-size is planned); use 1")
     # kiln serve refuses to serve past an engine's build limits: every pod would crash
     for rt_field, value, build_field, limit in (
             ("maxModelLen", out.max_model_len, "maxSeqLen", engine.max_seq_len),
@@ -419,7 +441,8 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
         build=BuildJobSpec(
             backoff_limit=_int(build, "backoffLimit", "build.backoffLimit", 1),
             active_deadline_seconds=_int(build, "activeDeadlineSeconds", "build.activeDeadlineSeconds", 7200),
-            resources=_compute(_section(build, "resources", "build.resources"), "build.resources")),
+            resources=_compute(_section(build, "resources", "build.resources"), "build.resources"),
+            scratch_size=str(build.get("scratchSize") or "64Gi")),
         runtime=_runtime(raw, engine),
         resources=_resources(raw),
         replicas=_int(raw, "replicas", "replicas", 1),

@@ -9,6 +9,7 @@ terminated.  The build itself is ``kiln.runtime.build``.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -56,7 +57,28 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where calibration and quantization run (not part of the hash)")
     parser.add_argument("--print-hash", action="store_true", help="print the engine hash and exit")
+    parser.add_argument("--termination-log", default=TERMINATION_LOG,
+                        help="on failure, write the cause to this file when it exists, as Kubernetes "
+                             "reads a container's termination message (default: %(default)s)")
     return parser
+
+
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
+
+
+def _error(args: argparse.Namespace, code: int, msg: str) -> int:
+    """Report a failed build: ``msg`` on stderr and, when the ``--termination-log`` file exists
+    (in a Kubernetes container it does), in that file, where the kubelet reads the container's
+    termination message (the operator puts it in the InferenceEngine's status).  Returns ``code``."""
+    print(f"kiln build: error: {msg}", file=sys.stderr)
+    path = getattr(args, "termination_log", None)
+    if path and os.path.isfile(path):
+        try:
+            with open(path, "w") as f:
+                f.write(f"kiln build: {msg}\n"[-4096:])  # the kubelet keeps at most 4096 bytes
+        except OSError:
+            pass  # a read-only or vanished file must not hide the build's own exit code
+    return code
 
 
 # InferenceEngine field names in the (operator-shared) spec errors -> this CLI's flags
@@ -96,8 +118,7 @@ def run_build(args: argparse.Namespace) -> int:
     elif args.source_checksum is not None:
         err = _checksum_error(args.source_checksum)
     if err:
-        print(f"kiln build: error: {err}", file=sys.stderr)
-        return 2
+        return _error(args, 2, err)
     try:
         spec = BuildSpec.from_cli(
             args.model, quantization=args.quantization, group_size=args.group_size,
@@ -106,15 +127,13 @@ def run_build(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
             checksum=args.source_checksum, quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)))
     except EngineSpecError as e:
-        print(f"kiln build: error: {_cli_spelling(str(e))}", file=sys.stderr)
-        return 2
+        return _error(args, 2, _cli_spelling(str(e)))
     for flag, given, methods in (("--group-size", args.group_size is not None, GROUPED_METHODS),
                                  ("--quantize-lm-head", getattr(args, "quantize_lm_head", False), GROUPED_METHODS),
                                  ("--smoothquant-alpha", args.smoothquant_alpha is not None, ("int8-smoothquant",))):
         if given and spec.quantization not in methods:
-            print(f"kiln build: error: {flag} applies only to {' and '.join(methods)}, "
-                  f"not to --quantization {spec.quantization}", file=sys.stderr)
-            return 2
+            return _error(args, 2, f"{flag} applies only to {' and '.join(methods)}, "
+                                   f"not to --quantization {spec.quantization}")
     if getattr(args, "print_hash", False):
         print(spec.hash())
         return 0
@@ -131,11 +150,12 @@ def run_build(args: argparse.Namespace) -> int:
         print("kiln build: terminated; the unfinished engine was removed", file=sys.stderr)
         return 128 + signal.SIGTERM
     except BadInputError as e:
-        print(f"kiln build: error: {e}", file=sys.stderr)
-        return 2
+        return _error(args, 2, str(e))
     except BuildError as e:
-        print(f"kiln build: error: {e}", file=sys.stderr)
-        return 1
+        return _error(args, 1, str(e))
+    except Exception as e:  # an unexpected crash: the cause still reaches the termination message
+        _error(args, 1, f"unexpected {type(e).__name__}: {e}")
+        raise
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
