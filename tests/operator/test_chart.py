@@ -63,7 +63,7 @@ NEEDED = {
     ("", "services", "create"), ("", "services", "patch"),
     ("", "configmaps", "get"), ("", "configmaps", "create"), ("", "configmaps", "patch"),
     ("", "persistentvolumeclaims", "get"), ("", "persistentvolumeclaims", "create"),
-    ("", "pods", "list"), ("", "events", "create"), ("", "events", "patch"),
+    ("", "pods", "list"), ("", "pods", "watch"), ("", "events", "create"), ("", "events", "patch"),
 }
 
 
@@ -76,7 +76,8 @@ def test_rbac_is_exactly_what_the_operator_uses():
     # reads that SSA and kopf need besides the list above
     assert extra <= {("kiln.dev", "inferenceengines", "get"), ("kiln.dev", "inferenceengines/status", "get"),
                      ("batch", "jobs", "get"), ("autoscaling", "horizontalpodautoscalers", "get"),
-                     ("", "services", "get"), ("", "services", "patch"), ("", "persistentvolumeclaims", "patch")}, extra
+                     ("", "services", "get"), ("", "services", "patch"), ("", "persistentvolumeclaims", "patch"),
+                     ("", "pods", "get")}, extra
 
 
 HELM = helm_bin()
@@ -126,6 +127,17 @@ def test_namespace_scope_render():
     assert "annotations" not in crd["metadata"]
     args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+@needs_helm
+def test_cluster_scope_with_namespaces_renders_roles_not_a_cluster_role():
+    """watchNamespaces with rbac.scope=cluster is not ignored: Roles in those namespaces only."""
+    docs = render("watchNamespaces={team-a}")
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kiln"]
+    assert [r["metadata"]["namespace"] for r in roles] == ["team-a"]
+    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--all-namespaces" not in args
 
 
 @needs_helm

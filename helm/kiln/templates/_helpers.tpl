@@ -30,7 +30,7 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* Namespaces watched in namespace scope. */}}
+{{/* Namespaces watched (and granted Roles in) unless cluster scope is unrestricted. */}}
 {{- define "kiln.watchNamespaces" -}}
 {{- if .Values.watchNamespaces -}}
 {{- join "," .Values.watchNamespaces -}}
@@ -61,7 +61,7 @@ app.kubernetes.io/component: operator
   verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [get, list, watch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]

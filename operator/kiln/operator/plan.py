@@ -239,7 +239,7 @@ def _base_status(observed: Observed, model: str) -> Obj:
 def _plan_invalid(spec: InvalidSpec, observed: Observed, now: str) -> Plan:
     """A spec the operator cannot act on: Degraded with reason InvalidSpec, nothing applied."""
     status = _base_status(observed, spec.model)
-    status.update(phase=c.PHASE_DEGRADED, replicas=0, readyReplicas=0)
+    status.update(phase=c.PHASE_DEGRADED, replicas=0, readyReplicas=0, ready="0/0")
     status["conditions"] = cond.merge_conditions(observed.status.get("conditions"), [
         cond.Condition(t, "True" if t == c.COND_DEGRADED else "False", "InvalidSpec", spec.message)
         for t in c.CONDITION_TYPES], observed.generation, now)
@@ -437,6 +437,7 @@ def _status(spec: InferenceEngineSpec, observed: Observed, build: _Build, degrad
     ds = (after or {}).get("status") or {}
     status["replicas"] = int(ds.get("replicas") or 0)
     status["readyReplicas"] = int(ds.get("readyReplicas") or 0)
+    status["ready"] = f"{status['readyReplicas']}/{int(((after or {}).get('spec') or {}).get('replicas') or 0)}"
     conditions, phase = _conditions(spec, build, degraded, after, h)
     status["phase"] = phase
     status["conditions"] = cond.merge_conditions(observed.status.get("conditions"), conditions,
