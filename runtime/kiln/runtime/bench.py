@@ -1,65 +1,26 @@
-"""``kiln bench``: offline throughput (with transformers as the peer in the same run) and
-online serving latency (TTFT, TPOT, end-to-end percentiles) against a live server.
+"""``kiln bench``: offline throughput (with transformers as the peer in the same run) and,
+in ``bench_serve``, what users of a live server see (TTFT, TPOT, ITL, e2e latency, goodput).
 
-Workloads follow vLLM's benchmark scripts: random token-id prompts of fixed lengths
-(``--input-len/--output-len``) or a random-length mix (``--range-ratio``), EOS ignored so
-every request produces its ``output_len`` tokens.  The transformers peer runs the same
-prompts: batched ``generate`` with left padding on CPU (vLLM's ``run_hf``: each batch runs
-to its longest request, only requested tokens are counted) or continuous batching
-(``generate_batch``) on CUDA.
+Offline, ``LLM.generate`` runs the workload (``bench_common``: random token-id prompts, fixed,
+uniform or lognormal lengths, EOS ignored).  The transformers peer runs the same prompts:
+batched ``generate`` with left padding on CPU (vLLM's ``run_hf``: each batch runs to its
+longest request, only requested tokens are counted) or continuous batching
+(``generate_batch``) on CUDA.  ``--quantization`` with ``--load-format dummy`` quantizes the
+random weights at load (round to nearest), so FP8 and int4 throughput need no engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
-import os
-import random
-import statistics
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
+from .bench_common import (Workload, add_workload_args, check_workload_flags, check_writable,  # noqa: F401
+                           describe_workload, json_safe, make_workload, pct, positive_int, workload_from_flags)
 
-@dataclass
-class Workload:
-    """Prompts as token ids and the output length of each (tokens)."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                  seed: int = 0, low_id: int = 100) -> Workload:
-    """Random token-id prompts; lengths uniform in ``[len*(1-r), len*(1+r)]`` (tokens)."""
-    rng = random.Random(seed)
-    prompts, outs = [], []
-    for _ in range(num_prompts):
-        il = max(1, rng.randint(int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))))
-        ol = max(1, rng.randint(int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio))))
-        prompts.append([rng.randrange(low_id, vocab_size) for _ in range(il)])
-        outs.append(ol)
-    return Workload(prompts, outs)
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _json_safe(d: dict) -> dict:
-    """``d`` with non-finite floats (a percentile of no samples is NaN) as None: JSON null."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
+# --quantization of random weights (kiln build's methods, quantization.rtn)
+RTN_LOAD_METHODS = ("fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
 
 
 def run_kiln_offline(llm, wl: Workload) -> dict:
@@ -161,46 +122,40 @@ def run_hf_continuous(hf, wl: Workload) -> dict:
             "output_tok_s": n / wall, "requests_s": len(wl.prompts) / wall}
 
 
-def _check_writable(path: str) -> None:
-    """Raise ValueError unless ``path`` can be written (before the benchmark runs, not after)."""
-    existed = os.path.exists(path)
-    try:
-        open(path, "a").close()
-    except OSError as e:
-        raise ValueError(f"cannot write --json {path}: {e.strerror}") from None
-    if not existed:
-        os.remove(path)
-
-
 def cmd_offline(ns: argparse.Namespace) -> int:
+    """Run ``kiln bench offline``; returns the exit code."""
     from .cli import engine_args_from  # noqa: PLC0415
     from .llm import LLM  # noqa: PLC0415
 
+    check_workload_flags(ns)
+    if ns.peer != "none" and ns.quantization != "none":
+        raise ValueError(f"--peer runs float weights in transformers; it cannot be compared with --quantization "
+                         f"{ns.quantization}")
     if ns.json:
-        _check_writable(ns.json)
-    args = engine_args_from(ns)
+        check_writable(ns.json)
+    args = replace(engine_args_from(ns), quantization=ns.quantization)  # ValueError: not with a real model
     llm = LLM(**{k: v for k, v in vars(args).items()})
-    wl = make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
-                       llm.engine.model_config.vocab_size, ns.seed)
+    wl = workload_from_flags(ns, llm.engine.model_config.vocab_size)
     runner = llm.engine.runner
-    print(f"[bench] model {llm.engine.model_ref} on {runner.device}/{runner.dtype}; {ns.num_prompts} prompts, "
-          f"input {ns.input_len} output {ns.output_len} range {ns.range_ratio}; "
-          f"{wl.num_output_tokens} output tokens requested", flush=True)
+    quant = f", {ns.quantization} weights (round to nearest)" if ns.quantization != "none" else ""
+    print(f"[bench] model {llm.engine.model_ref} on {runner.device}/{runner.dtype}{quant}; "
+          f"{describe_workload(ns, wl)}", flush=True)
     results = [run_kiln_offline(llm, wl)]
-    print(json.dumps(_json_safe(results[-1])), flush=True)
+    results[0]["quantization"] = ns.quantization
+    print(json.dumps(json_safe(results[-1])), flush=True)
     if ns.peer != "none":
         hf = build_hf_peer(llm)
         if ns.peer == "transformers-cb":
             results.append(run_hf_continuous(hf, wl))
         else:
             results.append(run_hf_offline(hf, wl, ns.peer_batch_size, runner.device))
-        print(json.dumps(_json_safe(results[-1])), flush=True)
+        print(json.dumps(json_safe(results[-1])), flush=True)
         results.append({"ratio_kiln_over_peer": results[0]["output_tok_s"] / results[1]["output_tok_s"]})
     _print_table(results)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(ns).items() if k != "func"},
-                       "results": [_json_safe(r) for r in results]}, f, indent=2)
+            json.dump({"args": {k: v for k, v in vars(ns).items() if k not in ("func", "workload_defaults")},
+                       "results": [json_safe(r) for r in results]}, f, indent=2)
     return 0
 
 
@@ -216,189 +171,30 @@ def _print_table(results: list[dict]) -> None:
               f"{f('ttft_p50_s')}{f('ttft_p99_s')}{f('tpot_p50_s')}{f('tpot_p99_s')}")
 
 
-class BenchError(RuntimeError):
-    """The benchmark cannot run (server unreachable, not an OpenAI-style server)."""
-
-
-def _error_reason(status: int, body: bytes) -> str:
-    """``"<status>: <message>"`` from an OpenAI-style error body ``{"error": {"message": ...}}``
-    (else the start of the raw body)."""
-    try:
-        msg = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        msg = body.decode("utf-8", "replace").strip()[:300]
-    return f"{status}: {msg}" if msg else str(status)
-
-
-def _served_model(url: str) -> str:
-    """The first model the server at ``url`` lists at /v1/models.  Raises BenchError."""
-    import httpx  # noqa: PLC0415
-
-    try:
-        r = httpx.get(f"{url}/v1/models", timeout=30)
-    except (httpx.HTTPError, httpx.InvalidURL) as e:
-        raise BenchError(f"cannot reach the server at {url}: {e}") from None
-    if r.status_code != 200:
-        raise BenchError(f"the server at {url} answered GET /v1/models with {_error_reason(r.status_code, r.content)}")
-    try:
-        return r.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise BenchError(f"the server at {url} does not list a model at /v1/models (not an OpenAI-style server?)") \
-            from None
-
-
-async def _serve_one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: ``{"ttft", "e2e", "tokens", "tpot"}``, or ``{"error": reason}``."""
-    import httpx  # noqa: PLC0415
-
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft = None
-    n = 0
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                return {"error": _error_reason(r.status_code, await r.aread())}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    return {"error": _error_reason(r.status_code, line[6:].encode())}
-                if chunk.get("usage"):
-                    n = chunk["usage"]["completion_tokens"]
-                elif ttft is None and chunk["choices"]:
-                    ttft = time.perf_counter() - t0
-    except httpx.TransportError as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-    e2e = time.perf_counter() - t0
-    return {"ttft": ttft or e2e, "e2e": e2e, "tokens": n, "tpot": (e2e - (ttft or e2e)) / max(1, n - 1)}
-
-
-def cmd_serve(ns: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
-
-    if ns.url and ns.engine:
-        raise ValueError("--engine starts a server here; it cannot be used with --url")
-    proc = None
-    url = ns.url
-    if not url:
-        import subprocess  # noqa: PLC0415
-
-        from .demo import free_port, wait_ready  # noqa: PLC0415
-
-        port = free_port()
-        extra = ["--model", ns.model] if ns.model else ["--engine", ns.engine] if ns.engine else []
-        if ns.max_num_seqs is not None:  # else serve's default (capped by an engine's build limit)
-            extra += ["--max-num-seqs", str(ns.max_num_seqs)]
-        proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "--log-level", "WARNING", "serve",
-                                 "--host", "127.0.0.1", "--port", str(port), *extra])
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(url, proc)
-        except RuntimeError as e:  # it exited (kiln serve printed why) or never became ready
-            code = proc.poll()
-            proc.kill()
-            proc.wait()
-            print(f"kiln bench: error: the server did not start: {e}"
-                  + (" (its error is above)" if code is not None else ""), file=sys.stderr)
-            return 2 if code == 2 else 1  # kiln serve exits 2 on bad input
-    try:
-        served = _served_model(url)  # also checks that the server answers
-        model = ns.model if ns.url and ns.model else served  # without --url, --model is the source served here
-        wl = make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, ns.vocab_size, ns.seed)
-
-        async def main():
-            sem = asyncio.Semaphore(ns.concurrency)
-            limits = httpx.Limits(max_connections=ns.concurrency + 8)
-            async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-                async def go(p, o):
-                    async with sem:
-                        return await _serve_one(client, f"{url}/v1/completions", model, p, o)
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(go(p, o) for p, o in zip(wl.prompts, wl.output_lens)))
-                return res, time.perf_counter() - t0
-
-        res, wall = asyncio.run(main())
-        ok = [r for r in res if "error" not in r]
-        toks = sum(r["tokens"] for r in ok)
-        summary = {"engine": f"kiln serve (concurrency {ns.concurrency})", "wall_s": wall, "output_tokens": toks,
-                   "output_tok_s": toks / wall, "requests_s": len(ok) / wall, "errors": len(res) - len(ok),
-                   "ttft_p50_s": pct([r["ttft"] for r in ok], 50), "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
-                   "tpot_p50_s": pct([r["tpot"] for r in ok], 50), "tpot_p99_s": pct([r["tpot"] for r in ok], 99),
-                   "e2e_p50_s": pct([r["e2e"] for r in ok], 50), "e2e_p99_s": pct([r["e2e"] for r in ok], 99),
-                   "first_error": next((r["error"] for r in res if "error" in r), None)}
-        if summary["errors"]:
-            print(f"kiln bench: {summary['errors']} of {len(res)} requests failed; the first: {summary['first_error']}",
-                  file=sys.stderr)
-        print(json.dumps(_json_safe(summary)))
-        _print_table([summary])
-        return 0 if not summary["errors"] else 1
-    except BenchError as e:
-        print(f"kiln bench: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if proc:
-            proc.terminate()
-            proc.wait(timeout=30)
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _ratio(text: str) -> float:
-    """argparse type: a length spread in [0, 1)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {v}")
-    return v
-
-
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """``kiln bench offline ...`` and ``kiln bench serve ...``."""
+    from .bench_serve import add_serve_args  # noqa: PLC0415
     from .cli import add_engine_args  # noqa: PLC0415
 
     sub = p.add_subparsers(dest="mode", required=True)
     off = sub.add_parser("offline", help="offline throughput of LLM.generate (+ transformers peer)")
     add_engine_args(off)
-    for q in (off,):
-        q.add_argument("--num-prompts", type=_positive_int, default=64)
-        q.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
-        q.add_argument("--output-len", type=_positive_int, default=128, help="generated tokens")
-        q.add_argument("--range-ratio", type=_ratio, default=0.0, help="0 = fixed lengths; 0.5 = uniform +-50%%")
-        q.add_argument("--peer", choices=["none", "transformers", "transformers-cb"], default="none")
-        q.add_argument("--peer-batch-size", type=_positive_int, default=64)
-        q.add_argument("--json", default=None, help="write results here")
-    srv = sub.add_parser("serve", help="latency percentiles against a live server")
-    srv.add_argument("--url", default=None, help="a running server (default: start `kiln serve` here)")
-    src = srv.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="without --url: the model to serve (as `kiln serve --model`); "
-                     "with --url: the model name sent in requests (default: the server's first model)")
-    src.add_argument("--engine", default=None, help="without --url: a Kiln engine folder to serve "
-                     "(as `kiln serve --engine`)")
-    srv.add_argument("--max-num-seqs", type=_positive_int, default=None,
-                     help="the started server's --max-num-seqs (default: kiln serve's)")
-    srv.add_argument("--num-prompts", type=_positive_int, default=64)
-    srv.add_argument("--concurrency", type=_positive_int, default=16)
-    srv.add_argument("--input-len", type=_positive_int, default=128)
-    srv.add_argument("--output-len", type=_positive_int, default=64)
-    srv.add_argument("--range-ratio", type=_ratio, default=0.5)
-    srv.add_argument("--vocab-size", type=_positive_int, default=49152)
-    srv.add_argument("--seed", type=int, default=0)
+    add_workload_args(off, (128, 128, 0.0), seed=False)  # --seed is an engine flag
+    off.add_argument("--quantization", choices=["none", *RTN_LOAD_METHODS], default="none",
+                     help="with --load-format dummy: quantize the random weights at load by rounding to nearest "
+                          "(int4: groups of 128; int4-awq and int4-gptq differ only in calibration, so both run "
+                          "the same W4A16 kernels); a real model is quantized by `kiln build`")
+    off.add_argument("--peer", choices=["none", "transformers", "transformers-cb"], default="none")
+    off.add_argument("--peer-batch-size", type=positive_int, default=64)
+    off.add_argument("--json", default=None, help="write the arguments and results here")
+    add_serve_args(sub.add_parser("serve", help="TTFT / TPOT / ITL / e2e percentiles and goodput against a live "
+                                  "server, measured from its stream"))
 
 
 def run_bench(ns: argparse.Namespace) -> int:
     """Run ``kiln bench offline ...`` or ``kiln bench serve ...``; returns the exit code."""
-    return cmd_offline(ns) if ns.mode == "offline" else cmd_serve(ns)
+    if ns.mode == "offline":
+        return cmd_offline(ns)
+    from .bench_serve import cmd_serve  # noqa: PLC0415
+
+    return cmd_serve(ns)

@@ -54,6 +54,11 @@ class EngineArgs:
     scheduler_policy: str = "max_utilization"
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # auto | dummy (random weights of the model's shape)
+    # With load_format dummy only: quantize the random weights at load by rounding to nearest
+    # (none | fp8 | int8-smoothquant | int4-awq | int4-gptq; int4 groups of 128 columns), so a
+    # benchmark runs the quantized kernels without an engine.  A real model is quantized by
+    # ``kiln build``; an engine carries its own quantization.
+    quantization: str = "none"
     seed: int = 0
     served_model_name: str | None = None
     enable_cuda_graphs: bool = True
@@ -107,7 +112,25 @@ class EngineArgs:
                 f"scheduler_policy must be max_utilization or guaranteed_no_evict, got {self.scheduler_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        self._check_quantization()
         self.kernel_options()  # refuses a w4a16_dequant_min_m below 1
+
+
+    def _check_quantization(self) -> None:
+        """Quantization at load is for random weights only (ValueError otherwise)."""
+        from .quantization.base import METHODS  # noqa: PLC0415  (torch; only when an engine starts)
+
+        if self.quantization not in METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {self.quantization!r}")
+        if self.quantization == "none":
+            return
+        if self.engine:
+            raise ValueError(f"quantization {self.quantization} applies to random weights (load_format dummy); an "
+                             "engine carries its own quantization (kiln build --quantization)")
+        if self.load_format != "dummy":
+            raise ValueError(f"quantization {self.quantization} at load applies only to random weights "
+                             f"(load_format dummy); quantize a real model with `kiln build --quantization "
+                             f"{self.quantization}` and serve the engine")
 
 
 DEFAULT_MAX_NUM_SEQS = 64  # sequences per step when neither the flag nor an engine says

@@ -130,13 +130,18 @@ class ModelRunner:
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shape (``--load-format dummy``), scaled like a trained
-        model's (normal, std 0.02; norms at 1) so activations stay in range."""
+        model's (normal, std 0.02; norms at 1) so activations stay in range; quantized by
+        rounding to nearest when ``args.quantization`` names a method (``quantization.rtn``)."""
         g = torch.Generator(device=self.device).manual_seed(seed)
         for name, p in self.model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.data.fill_(1.0)
             else:
                 p.data.normal_(0.0, 0.02, generator=g)
+        if self.args.quantization != "none":
+            from .quantization.rtn import quantize_model_rtn  # noqa: PLC0415
+
+            quantize_model_rtn(self.model, self.args.quantization)
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
