@@ -36,7 +36,9 @@ def example() -> dict:
 
 
 def jobs(stack, ns, name):
-    return json.loads(stack.kubectl("get", "jobs", "-n", ns, "-l", f"kiln.dev/engine={name}", "-o", "json"))["items"]
+    """The build Jobs in the test's namespace (shared per engine, so not labelled with ``name``)."""
+    return json.loads(stack.kubectl("get", "jobs", "-n", ns, "-l", "app.kubernetes.io/component=build",
+                                    "-o", "json"))["items"]
 
 
 def server_pods(stack, ns, name):

@@ -130,3 +130,40 @@ def test_runtime_cli_has_the_subcommands_the_operator_runs():
     out = r.stdout + r.stderr
     for sub in ("serve", "build", "operator"):
         assert sub in out, f"`kiln {sub}` missing from `kiln --help`"
+
+
+def _run_user_step(step: str, passwd: str, group: str, tmp_path) -> int:
+    """Run a Dockerfile's user-creation RUN step against a fake /etc (getent, groupadd and
+    useradd as small scripts over passwd/group files with the base image's known users)."""
+    import os
+    import subprocess
+
+    etc, bin_ = tmp_path / "etc", tmp_path / "bin"
+    etc.mkdir()
+    bin_.mkdir()
+    (etc / "passwd").write_text(passwd)
+    (etc / "group").write_text(group)
+    tools = {
+        "getent": f'db="{etc}/$1"; [ "$1" = group ] || db="{etc}/passwd"; '
+                  'awk -F: -v k="$2" \'$1==k || $3==k {print; f=1} END {exit !f}\' "$db"',
+        "groupadd": f'gid=$2; name=$3; awk -F: -v g="$gid" \'$3==g {{exit 1}}\' "{etc}/group" || '
+                    '{ echo "groupadd: GID $gid already exists" >&2; exit 4; }; echo "$name:x:$gid:" >> ' + f'"{etc}/group"',
+        "useradd": f'uid=$2; name=${{@: -1}}; awk -F: -v u="$uid" \'$3==u {{exit 1}}\' "{etc}/passwd" || '
+                   '{ echo "useradd: UID $uid is not unique" >&2; exit 4; }; echo "$name:x:$uid:$uid::/:/bin/false" >> ' + f'"{etc}/passwd"',
+        "mkdir": "true", "chown": "true",
+    }
+    for name, body in tools.items():
+        (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", "-c", step], env=env, capture_output=True, text=True).returncode
+
+
+@pytest.mark.parametrize("base", ["ubuntu-24.04", "no-user-1000"])
+def test_runtime_image_user_step_works_on_the_bases_known_users(runtime_df, base, tmp_path):
+    """nvidia/cuda:*-ubuntu24.04 ships user and group 1000 (ubuntu); a plain groupadd --gid 1000
+    fails the build there.  The step must pass on that base and on one without the user."""
+    step = next(a for w, a in final_stage(runtime_df) if w == "RUN" and "useradd" in a)
+    passwd = "root:x:0:0::/root:/bin/bash\n" + ("ubuntu:x:1000:1000::/home/ubuntu:/bin/bash\n" if base == "ubuntu-24.04" else "")
+    group = "root:x:0:\n" + ("ubuntu:x:1000:\n" if base == "ubuntu-24.04" else "")
+    assert _run_user_step(step, passwd, group, tmp_path) == 0

@@ -97,6 +97,45 @@ def _port(spec_port: Any, container: dict) -> int:
     raise ValueError(f"unknown port name {spec_port!r}")
 
 
+class ContainerConfigError(Exception):
+    """The container's configuration cannot be resolved (a missing Secret, ConfigMap or key)."""
+
+
+def _api_reason(e: Exception) -> str:
+    """A kubelet-like one-line reason for an env lookup failure."""
+    status, body = getattr(e, "status", None), getattr(e, "body", None)
+    if status == 404 and body:
+        try:
+            import json
+
+            return json.loads(body).get("message") or str(e)
+        except ValueError:
+            pass
+    if isinstance(e, KeyError):
+        return f"couldn't find key {e.args[0]} in the referenced object"
+    return str(e).splitlines()[0]
+
+
+def qos_class(pod_spec: dict) -> str:
+    """The pod's QoS class as the API server computes it (it refuses a status that says
+    otherwise): Guaranteed when every container limits cpu and memory and requests what it
+    limits, BestEffort when none requests or limits either, Burstable in between."""
+    containers = list(pod_spec.get("initContainers") or []) + list(pod_spec.get("containers") or [])
+    any_set, guaranteed = False, True
+    for c in containers:
+        res = c.get("resources") or {}
+        limits, requests = res.get("limits") or {}, res.get("requests") or {}
+        for name in ("cpu", "memory"):
+            lim, req = limits.get(name), requests.get(name, limits.get(name))
+            if lim is not None or req is not None:
+                any_set = True
+            if lim is None or str(req) != str(lim):
+                guaranteed = False
+    if not any_set:
+        return "BestEffort"
+    return "Guaranteed" if guaranteed else "Burstable"
+
+
 # --- one container -----------------------------------------------------------------------------
 
 @dataclass
@@ -282,11 +321,38 @@ class PodRunner(threading.Thread):
                         raise
         return {**base, **{k: map_value(v, mounts, self.ip) for k, v in env.items()}}
 
+    def _termination_file(self, cr: ContainerRun) -> Path:
+        """The host file behind the container's ``terminationMessagePath``."""
+        return self.dir / f"{cr.name}.termination-log"
+
+    def _termination_message(self, cr: ContainerRun, rc: int) -> str:
+        """What the kubelet reports as the terminated state's message: the container's
+        termination file (at most 4096 bytes), or with ``FallbackToLogsOnError`` and a failure,
+        the end of its log (2048 bytes, 80 lines)."""
+        try:
+            text = self._termination_file(cr).read_text(errors="replace")[:4096]
+        except OSError:
+            text = ""
+        if not text.strip() and rc != 0 and cr.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            try:
+                text = "\n".join(cr.log_path.read_text(errors="replace").splitlines()[-80:])[-2048:]
+            except OSError:
+                text = ""
+        return text
+
     def _start(self, cr: ContainerRun) -> None:
         c = cr.spec
         mounts = self._mounts(c)
+        if c.get("terminationMessagePath"):  # a file the container may write its cause to, as in a pod
+            tfile = self._termination_file(cr)
+            tfile.parent.mkdir(parents=True, exist_ok=True)
+            tfile.write_text("")
+            mounts = sorted(mounts + [(c["terminationMessagePath"], str(tfile))], key=lambda x: -len(x[0]))
         argv = [map_value(a, mounts, self.ip) for a in (c.get("command") or []) + (c.get("args") or [])]
-        env = self._env(c, mounts)
+        try:
+            env = self._env(c, mounts)
+        except Exception as e:  # noqa: BLE001 - a missing Secret/ConfigMap key: the kubelet's config error
+            raise ContainerConfigError(_api_reason(e)) from e
         Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
         if not argv:
             raise RuntimeError("container has no command (image entrypoints are unknown here)")
@@ -359,6 +425,9 @@ class PodRunner(threading.Thread):
             rc = 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N
             cr.terminated = {"exitCode": rc, "reason": "Completed" if rc == 0 else "Error",
                              "startedAt": cr.started_at, "finishedAt": now_iso(), "containerID": f"proc://{cr.proc.pid}"}
+            message = self._termination_message(cr, rc)
+            if message:
+                cr.terminated["message"] = message
             cr.ready = False
             log.info("%s/%s: %s exited with %d", self.ns, self.pname, cr.name, rc)
             if policy == "Always" or (policy == "OnFailure" and rc != 0):
@@ -368,8 +437,8 @@ class PodRunner(threading.Thread):
                 cr.waiting_reason = "CrashLoopBackOff"
                 cr.waiting_message = f"back-off {backoff}s restarting failed container"
                 cr.restart_count += 1
-        if cr.waiting_reason == "CrashLoopBackOff" and now >= cr.restart_at:
-            self._start(cr)
+        if cr.waiting_reason in ("CrashLoopBackOff", "CreateContainerConfigError") and now >= cr.restart_at:
+            self._try_start(cr, policy)
             return
         if cr.proc is None or cr.proc.poll() is not None:
             return
@@ -415,7 +484,7 @@ class PodRunner(threading.Thread):
         return {
             "phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
             "podIP": self.ip, "podIPs": [{"ip": self.ip}], "startTime": self.start_time,
-            "qosClass": "BestEffort",
+            "qosClass": qos_class(self.pod["spec"]),
             "conditions": [self._cond("PodReadyToStartContainers", True), self._cond("Initialized", True),
                            self._cond("ContainersReady", all_ready), self._cond("Ready", all_ready),
                            self._cond("PodScheduled", True)],
@@ -467,21 +536,31 @@ class PodRunner(threading.Thread):
             self._patch({"phase": "Pending", "conditions": [self._cond("PodScheduled", True)]})
             time.sleep(1)
         for cr in self.containers:
-            try:
-                self._start(cr)
-            except Exception as e:  # noqa: BLE001 - reported like a kubelet would
-                cr.waiting_reason, cr.waiting_message = "RunContainerError", str(e)
-                cr.terminated = {"exitCode": 128, "reason": "StartError", "message": str(e),
-                                 "startedAt": now_iso(), "finishedAt": now_iso()}
-                cr.waiting_reason = None if policy != "Always" else "CrashLoopBackOff"
-                cr.restart_at = time.monotonic() + 10
-                log.error("%s/%s: %s cannot start: %s", self.ns, self.pname, cr.name, e)
+            self._try_start(cr, policy)
         while not self._deleting() and not self.node.stopping.is_set():
             for cr in self.containers:
                 self._tick_container(cr, policy)
             self._patch(self._status(self._phase(policy)))
             time.sleep(self.TICK)
         self._finalize()
+
+    def _try_start(self, cr: ContainerRun, policy: str) -> None:
+        """Start a container, reporting a failure as the kubelet does: a missing Secret or
+        ConfigMap key waits as ``CreateContainerConfigError`` (retried, no restart counted),
+        anything else is a start error."""
+        try:
+            self._start(cr)
+        except ContainerConfigError as e:
+            cr.waiting_reason, cr.waiting_message = "CreateContainerConfigError", str(e)
+            cr.restart_at = time.monotonic() + 2
+            log.error("%s/%s: %s: %s", self.ns, self.pname, cr.name, e)
+        except Exception as e:  # noqa: BLE001 - reported like a kubelet would
+            cr.waiting_reason, cr.waiting_message = "RunContainerError", str(e)
+            cr.terminated = {"exitCode": 128, "reason": "StartError", "message": str(e),
+                             "startedAt": now_iso(), "finishedAt": now_iso()}
+            cr.waiting_reason = None if policy != "Always" else "CrashLoopBackOff"
+            cr.restart_at = time.monotonic() + 10
+            log.error("%s/%s: %s cannot start: %s", self.ns, self.pname, cr.name, e)
 
     def _finalize(self) -> None:
         with self.lock:

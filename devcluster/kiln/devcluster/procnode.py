@@ -115,7 +115,7 @@ class ProcNode:
                 if r.returncode == 0:
                     self._ips_used.add(ip)
                     return ip
-                if "exists" not in r.stderr:
+                if "exists" not in r.stderr and "already assigned" not in r.stderr:  # taken: try the next
                     log.warning("cannot add pod IPs to lo (%s): falling back to 127.0.%d.x; Services will "
                                 "have no endpoints", r.stderr.strip(), self.ip_subnet)
                     self.loopback_ips = True
