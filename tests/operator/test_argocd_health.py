@@ -40,3 +40,21 @@ def test_states():
     assert health(ie(phase="Suspended"))[0] == "Suspended"
     st, msg = health(ie(phase="Building", conditions=[{"type": "Progressing", "status": "True", "message": "building engine abc"}]))
     assert (st, msg) == ("Progressing", "building engine abc")
+
+
+def test_crash_looping_is_degraded_and_zero_replicas_is_not_progressing_forever():
+    st, msg = health(ie(phase="Degraded", conditions=[{"type": "Degraded", "status": "True", "reason": "CrashLoopBackOff",
+                                                       "message": "pod x: exit code 1"}]))
+    assert st == "Degraded" and "CrashLoopBackOff" in msg
+    zero = ie(phase="Deploying", conditions=[{"type": "EngineBuilt", "status": "True"},
+                                             {"type": "Progressing", "status": "False", "reason": "ReconcileComplete"}])
+    zero["spec"] = {"replicas": 0}
+    zero["status"]["replicas"] = 0
+    assert health(zero)[0] == "Suspended"
+
+
+def test_fields_of_unexpected_types_do_not_raise():
+    odd = {"metadata": {"generation": "x"}, "status": {"observedGeneration": "2", "phase": 3, "conditions": "no",
+                                                     "readyReplicas": "many"}}
+    assert health(odd)[0] == "Progressing"
+    assert health({"metadata": {}, "status": "weird"})[0] == "Progressing"

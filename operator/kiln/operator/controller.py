@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -64,6 +65,9 @@ class Controller:
         self.bodies: dict[str, dict] = {}  # key -> last seen InferenceEngine
         self.failures: dict[str, int] = {}
         self.num_reconciles = 0
+        self.num_errors = 0  # reconciles that raised (retried with backoff)
+        self.reconcile_seconds = 0.0  # total time spent in reconciles
+        self.heartbeat: float | None = None  # monotonic time of the loop's last beat (None: not started)
         self._queue: asyncio.Queue[str] | None = None
         self._queued: set[str] = set()
         self._active: set[str] = set()
@@ -139,15 +143,19 @@ class Controller:
             if body is None:
                 continue
             self._active.add(key)
+            t0 = time.monotonic()
             try:
                 out = await asyncio.to_thread(self.reconciler.reconcile, body)
                 self.num_reconciles += 1
+                self.reconcile_seconds += time.monotonic() - t0
                 self.failures.pop(key, None)
                 if out.requeue_after is not None:
                     self._enqueue_later(key, out.requeue_after + 0.5)
                 if out.body is not None and _rv(out.body) > _rv(self.bodies.get(key)) and key in self.bodies:
                     self.bodies[key] = _plain(out.body)
             except Exception as e:  # noqa: BLE001 - logged, retried with backoff
+                self.num_errors += 1
+                self.reconcile_seconds += time.monotonic() - t0
                 n = self.failures[key] = self.failures.get(key, 0) + 1
                 delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** (n - 1))
                 delay *= 1 + random.random() * 0.1
@@ -160,6 +168,36 @@ class Controller:
                 if key in self._dirty:
                     self._dirty.discard(key)
                     self.enqueue(key)
+
+    async def _beat(self) -> None:
+        while True:
+            self.heartbeat = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    def alive(self, stale_seconds: float = 30.0) -> bool:
+        """The work loop runs: its heartbeat is fresh and no worker or loop task has died."""
+        if self.heartbeat is None or time.monotonic() - self.heartbeat > stale_seconds:
+            return False
+        return not any(t.done() for t in self._tasks)
+
+    def metrics_text(self) -> str:
+        """The controller's counters in the Prometheus text format."""
+        rows = [
+            ("kiln_operator_reconciles_total", "counter", "Reconciles that completed.", self.num_reconciles),
+            ("kiln_operator_reconcile_errors_total", "counter", "Reconciles that failed (retried with backoff).",
+             self.num_errors),
+            ("kiln_operator_reconcile_seconds_total", "counter", "Time spent reconciling.",
+             round(self.reconcile_seconds, 6)),
+            ("kiln_operator_queue_depth", "gauge", "InferenceEngines waiting for a reconcile.", len(self._queued)),
+            ("kiln_operator_reconciles_active", "gauge", "Reconciles running now.", len(self._active)),
+            ("kiln_operator_engines", "gauge", "InferenceEngines watched.", len(self.bodies)),
+            ("kiln_operator_engines_failing", "gauge", "InferenceEngines whose last reconcile failed.",
+             len(self.failures)),
+        ]
+        out = []
+        for name, kind, help_, value in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(out) + "\n"
 
     async def _resync(self) -> None:
         while True:
@@ -207,6 +245,7 @@ class Controller:
         self._tasks = [asyncio.create_task(self._worker(), name=f"kiln-worker-{i}")
                        for i in range(self.config.workers)]
         self._tasks.append(asyncio.create_task(self._resync(), name="kiln-resync"))
+        self._tasks.append(asyncio.create_task(self._beat(), name="kiln-heartbeat"))
         self._tasks.append(asyncio.create_task(self._autoscale(), name="kiln-autoscale"))
 
     async def stop(self) -> None:

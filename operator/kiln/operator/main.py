@@ -222,16 +222,19 @@ def run(argv: Sequence[str] | None = None) -> int:
                            pool_size=opts.workers + 8))
     elector = _elector(opts, kube) if opts.leader_election else None
     ready = threading.Event()
+    controller = make_controller(opts, kube)
     if opts.health_port:
         from .health import serve_health
-        serve_health(opts.health_port, ready.is_set)
-    if elector is not None and not elector.acquire():
-        return 0
+        serve_health(opts.health_port, ready.is_set, alive=controller.alive, metrics=controller.metrics_text)
+    if elector is not None:
+        log.info("waiting for the leader Lease %s/%s", elector.cfg.namespace, elector.cfg.name)
+        if not elector.acquire():
+            return 0
+    log.info("leading: watching %s", ", ".join(opts.namespaces) or "all namespaces")
     lost = threading.Event()
     stop = Stopper()
     if elector is not None:
         elector.keep(lambda: (lost.set(), stop.set()))
-    controller = make_controller(opts, kube)
     try:
         asyncio.run(operate(opts, kube, controller, stopper=stop, ready_flag=ready))
     except KeyboardInterrupt:

@@ -214,6 +214,8 @@ class Reconciler:
         applied: dict[str, Obj] = {}
         refused: list[Refusal] = []
         for obj in todo.apply:
+            if obj["kind"] in ("Job", "ConfigMap"):  # a build starts / an engine is recorded: once each
+                log.info("applying %s %s/%s", obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
             try:
                 applied[obj["kind"]] = self.kube.apply(obj)
             except ApiError as e:
@@ -238,6 +240,11 @@ class Reconciler:
         obj = {"apiVersion": c.API_VERSION, "kind": c.KIND,
                "metadata": {"name": owner["name"], "namespace": owner["namespace"]}, "status": new}
         result = self.kube.apply(obj, subresource="status")
+        if old.get("phase") != new.get("phase"):
+            deg = cond.get(new.get("conditions"), c.COND_DEGRADED) or {}
+            why = f": {deg.get('reason')}: {deg.get('message')}" if deg.get("status") == "True" else ""
+            log.info("%s/%s: %s -> %s%s", owner["namespace"], owner["name"], old.get("phase") or "new",
+                     new.get("phase"), why)
         if self.config.emit_events:
             self._events(owner, old.get("conditions"), new.get("conditions") or [], now)
         return result
