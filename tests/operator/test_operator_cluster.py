@@ -461,3 +461,158 @@ def test_namespace_scoped_install_has_enough_rbac(plane, admin, ns, tmp_path):
         subprocess.run([plane.helm_bin, "uninstall", "kiln-ns", "--namespace", rel_ns, "--kubeconfig", plane.kubeconfig],
                        capture_output=True, text=True, env=plane.env(), timeout=120)
         plane.kubectl("delete", "namespace", rel_ns, "--wait=false", check=False)
+
+
+# --- every failure reaches the status (issue: items 2, 3, 4) -------------------------------------
+
+PROC_TAINT = {"key": "kiln.dev/test-proc", "value": "true", "effect": "NoSchedule"}
+
+
+@pytest.fixture(scope="module")
+def procnode(plane):
+    """A process-backed node (real processes, kubelet-like container states), tainted so that
+    only the pods of the tests that tolerate it land there."""
+    from kiln.devcluster.procnode import ProcNode
+
+    class TaintedNode(ProcNode):
+        def node_object(self):
+            obj = super().node_object()
+            obj["spec"]["taints"] = [PROC_TAINT]
+            return obj
+
+    node = TaintedNode(plane.kubeconfig, f"proc-op-{plane.name}"[:63], gpus=4,
+                       apiserver_port=plane.state["ports"]["apiserver"]).start()
+    yield node
+    node.stop()
+
+
+def on_procnode(obj: dict, node) -> dict:
+    res = obj["spec"].setdefault("resources", {})
+    res["nodeSelector"] = {"kubernetes.io/hostname": node.name}
+    res["tolerations"] = [{"key": PROC_TAINT["key"], "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    return obj
+
+
+def degraded(admin, ns, name, reason_prefix: str):
+    """The resource once Degraded=True with a reason starting with ``reason_prefix``."""
+    def check():
+        ie = get_ie(admin, ns, name)
+        d = condition(ie, "Degraded")
+        if d.get("status") == "True" and d.get("reason", "").startswith(reason_prefix) \
+                and ie["status"].get("phase") == "Degraded":
+            return ie
+        return None
+    return wait_for(f"{name} Degraded ({reason_prefix}...)", check, 60)
+
+
+def warning_event(admin, ns, name, reason):
+    events = admin.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    return [e for e in events if e["involvedObject"].get("name") == name and e["reason"] == reason
+            and e["type"] == "Warning"]
+
+
+def test_crd_refuses_what_kubernetes_would_refuse(plane, ns):
+    base = load("smollm2.yaml")
+    cases = [
+        (("resources", "requests"), {"cpu": "1.2.3"}), (("resources", "limits"), {"memory": "5XYZ"}),
+        (("resources", "nodeSelector"), {"bad key": "x"}), (("storage", "size"), "0"),
+        (("storage", "claimName"), "Bad_Claim"),
+    ]
+    for path, value in cases:
+        obj = json.loads(json.dumps(base))
+        obj["spec"].setdefault(path[0], {})[path[1]] = value
+        r = subprocess.run([plane.kubectl_bin, "--kubeconfig", plane.kubeconfig, "apply", "-n", ns, "-f", "-"],
+                           input=json.dumps(obj), capture_output=True, text=True)
+        assert r.returncode != 0 and "spec." in r.stderr, (path, value, r.stdout, r.stderr)
+
+
+def test_a_child_the_api_server_refuses_is_degraded_with_its_message_and_an_event(plane, admin, ns):
+    """A toleration the CRD admits but the API server refuses (a value with operator Exists):
+    before, the build Job's apply failed only in the operator's log."""
+    obj = load("smollm2.yaml")
+    obj["spec"]["resources"]["tolerations"] = [{"key": "gpu", "operator": "Exists", "value": "yes"}]
+    apply(plane, ns, obj)
+    ie = degraded(admin, ns, "smollm2", "JobRejected")
+    assert "operator" in condition(ie, "Degraded")["message"]  # the API server's own words
+    wait_for("a Warning event", lambda: warning_event(admin, ns, "smollm2", "JobRejected"), 30)
+
+
+def test_names_with_dots_and_253_characters_reach_ready(plane, admin, ns):
+    names = ["llama-3.1-8b", "m" * 240 + ".v1.2-x", "m" * 240 + ".v1.2-y"]  # the last two share 63+ chars
+    for name in names:
+        obj = load("smollm2.yaml")
+        obj["metadata"]["name"] = name
+        apply(plane, ns, obj)
+    for name in names:
+        wait_for(f"{name[:20]}... Ready", lambda n=name: ready(admin, ns, n), 90)
+    svcs = {s["metadata"]["name"] for s in admin.list("v1", "Service", ns)}
+    assert len(svcs) == 3 and all(len(s) <= 63 and "." not in s for s in svcs)
+    assert len(admin.list("batch/v1", "Job", ns)) <= 1  # one spec, one build
+
+
+def test_twenty_resources_with_one_spec_start_one_build_job(plane, admin, ns):
+    obj = load("smollm2.yaml")
+    obj["spec"]["resources"]["nodeSelector"] = {"kiln.dev/test-pool": ns}  # the build waits
+    docs = []
+    for i in range(20):
+        o = json.loads(json.dumps(obj))
+        o["metadata"]["name"] = f"shared-{i}"
+        docs.append(o)
+    apply(plane, ns, {"apiVersion": "v1", "kind": "List", "items": docs})
+    wait_for("20 statuses", lambda: all((get_ie(admin, ns, f"shared-{i}") or {}).get("status", {}).get("engineHash")
+                                         for i in range(20)), 60)
+    wait_for("the Job owned by all 20", lambda: (lambda js: len(js) == 1 and len(
+        js[0]["metadata"].get("ownerReferences") or []) == 20)(admin.list("batch/v1", "Job", ns)), 60)
+    time.sleep(6)  # a resync later: still one
+    assert len(admin.list("batch/v1", "Job", ns)) == 1
+    # deleting one owner leaves the shared build running
+    plane.kubectl("delete", "-n", ns, "ie/shared-0", "--wait=true", timeout=60)
+    time.sleep(3)
+    assert len(admin.list("batch/v1", "Job", ns)) == 1
+
+
+def test_unschedulable_build_pod_is_degraded_with_the_schedulers_reason(plane, admin, ns):
+    obj = load("smollm2.yaml")
+    obj["spec"]["resources"]["nodeSelector"] = {"kiln.dev/no-such-pool": "x"}
+    apply(plane, ns, obj)
+    ie = degraded(admin, ns, "smollm2", "BuildUnschedulable")
+    assert "node" in condition(ie, "Degraded")["message"]
+    wait_for("a Warning event", lambda: warning_event(admin, ns, "smollm2", "BuildUnschedulable"), 30)
+
+
+def test_build_pod_with_a_missing_secret_is_degraded(plane, admin, ns, procnode):
+    obj = on_procnode(load("smollm2.yaml"), procnode)
+    obj["spec"]["model"] = {"huggingFace": {"repo": "org/model", "revision": "a" * 40,
+                                            "secretRef": {"name": "no-such-secret", "key": "token"}}}
+    apply(plane, ns, obj)
+    ie = degraded(admin, ns, "smollm2", "BuildCreateContainerConfigError")
+    assert "no-such-secret" in condition(ie, "Degraded")["message"]
+
+
+def test_failed_build_carries_the_builds_termination_message(plane, admin, ns, procnode):
+    plane.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": ns},
+                 "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
+                          "storageClassName": ""}})
+    obj = on_procnode(load("smollm2.yaml"), procnode)
+    obj["spec"]["model"] = {"pvc": {"claimName": "models", "path": "no-such-model"}}
+    obj["spec"]["build"]["backoffLimit"] = 0
+    apply(plane, ns, obj)
+    ie = degraded(admin, ns, "smollm2", "BuildFailed")
+    msg = condition(ie, "Degraded")["message"]
+    assert "kiln build:" in msg and "no-such-model" in msg, msg  # the build's own cause, not only BackoffLimitExceeded
+
+
+def test_crash_looping_serving_pods_are_degraded_with_the_last_termination_message(plane, admin, ns, procnode):
+    """The engine is recorded complete but its folder is missing: kiln serve exits at start."""
+    obj = on_procnode(load("smollm2.yaml"), procnode)
+    obj["spec"]["storage"] = {"claimName": "empty-cache"}
+    apply(plane, ns, obj)
+    ie = wait_for("hash", lambda: (lambda x: x if x and x.get("status", {}).get("engineHash") else None)(
+        get_ie(admin, ns, "smollm2")), 60)
+    h = ie["status"]["engineHash"]
+    owner = {"name": "smollm2", "namespace": ns, "uid": ie["metadata"]["uid"]}
+    from kiln.operator.spec import parse_spec
+    admin.apply(b.engine_record(parse_spec(ie["spec"]), h, owner, "forged", "2026-01-01T00:00:00Z"))
+    ie = degraded(admin, ns, "smollm2", "CrashLoopBackOff")
+    assert "exit code" in condition(ie, "Degraded")["message"]
+    wait_for("a Warning event", lambda: warning_event(admin, ns, "smollm2", "CrashLoopBackOff"), 30)
