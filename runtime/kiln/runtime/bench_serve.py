@@ -391,7 +391,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         served = served_model(url)  # also checks that the server answers
         model = ns.model if ns.url and ns.model else served  # without --url, --model is the source served here
         wl = workload_from_flags(ns, vocab)
-        print(f"[bench] {url} model {model}: {describe_workload(ns, wl)}", flush=True)
+        # progress on stderr: stdout is one JSON line per run, then the table
+        print(f"[bench] {url} model {model}: {describe_workload(ns, wl)}", file=sys.stderr, flush=True)
         rows = []
         concurrencies = ns.concurrency or [None]
         for rate, conc in itertools.product(ns.request_rate, concurrencies):
