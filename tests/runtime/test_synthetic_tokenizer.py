@@ -43,8 +43,8 @@ def test_special_tokens_at_the_config_ids(small):
     assert small.decode([997, 3, 998], skip_special_tokens=True) == ""
 
 
-@pytest.mark.parametrize("text", ["Hello world, this is 1999.", "  spaces\tand\nnewlines ", "Ünïcødé 日本語 😀",
-                                  "<|eos|> as text"])
+@pytest.mark.parametrize("text", ["Hello world, this is 1999.", "  spaces\tand\nnewlines ",
+                                  "Ünïcødé 日本語 😀", "<|eos|> as text"])
 def test_text_round_trips(small, text):
     ids = small(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert all(0 <= i < 1000 for i in ids)

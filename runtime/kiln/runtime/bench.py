@@ -24,6 +24,8 @@ RTN_LOAD_METHODS = ("fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
 
 
 def run_kiln_offline(llm, wl: Workload) -> dict:
+    """``LLM.generate`` on the workload after a warm-up: throughput (tokens/s, requests/s),
+    TTFT and TPOT percentiles (seconds, all requests arriving at once), steps, preemptions."""
     from .sampling_params import SamplingParams  # noqa: PLC0415
 
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for o in wl.output_lens]
