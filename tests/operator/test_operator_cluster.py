@@ -194,6 +194,14 @@ def test_chart_installs_crd_rbac_and_operator(plane, admin, release):
     out = plane.kubectl("auth", "can-i", "get", "secrets", "-A", f"--as=system:serviceaccount:{RELEASE_NS}:{SA}",
                         check=False).strip()
     assert out == "no"
+    # the default (unrestricted cluster scope) is what the docs say it is: writes everywhere, no secrets
+    sa = f"--as=system:serviceaccount:{RELEASE_NS}:{SA}"
+    for verb, what, ns_, want in (("create", "deployments.apps", "kube-system", "yes"), ("patch", "jobs.batch", "default", "yes"),
+                                  ("watch", "pods", "default", "yes"), ("create", "pods", "default", "no"),
+                                  ("delete", "deployments.apps", "default", "no"), ("get", "secrets", "default", "no"),
+                                  ("list", "nodes", "", "no")):
+        args = ["auth", "can-i", verb, what, sa] + (["-n", ns_] if ns_ else [])
+        assert plane.kubectl(*args, check=False).strip() == want, (verb, what, ns_)
 
 
 def test_invalid_examples_are_rejected_with_the_cel_message(plane, ns):
@@ -424,13 +432,18 @@ def test_namespace_scoped_install_has_enough_rbac(plane, admin, ns, tmp_path):
     rel_ns = f"{ns}-op"[:63]
     r = subprocess.run([plane.helm_bin, "upgrade", "--install", "kiln-ns", str(ROOT / "helm/kiln"),
                         "--namespace", rel_ns, "--create-namespace", "--kubeconfig", plane.kubeconfig,
-                        "--set", "crds.install=false", "--set", "rbac.scope=namespace",
+                        "--set", "crds.install=false", "--set", "rbac.scope=cluster",  # with a list: Roles only
                         "--set", f"watchNamespaces={{{ns}}}", "--set", "replicaCount=0"],
                        capture_output=True, text=True, env=plane.env(), timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     try:
         assert not admin.request("GET", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
                                  query={"labelSelector": "app.kubernetes.io/instance=kiln-ns"})["items"]
+        sa = f"--as=system:serviceaccount:{rel_ns}:kiln-ns"
+        for verb, what, ns_, want in (("create", "deployments.apps", ns, "yes"), ("create", "deployments.apps", "kube-system", "no"),
+                                      ("patch", "configmaps", "kube-system", "no"), ("create", "jobs.batch", "default", "no"),
+                                      ("get", "secrets", ns, "no")):
+            assert plane.kubectl("auth", "can-i", verb, what, sa, "-n", ns_, check=False).strip() == want, (verb, what, ns_)
         token = plane.kubectl("create", "token", "kiln-ns", "-n", rel_ns, "--duration=1h").strip()
         kc = tmp_path / "kubeconfig"
         kc.write_text(yaml.safe_dump({
