@@ -76,7 +76,7 @@ def engine_args_from(ns: argparse.Namespace):
         load_format=ns.load_format, seed=ns.seed, served_model_name=getattr(ns, "served_model_name", None),
         enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,
         pdl=not ns.no_pdl, fused_rope_kv=not ns.no_fused_rope_kv, w4a16_dequant_min_m=ns.w4a16_dequant_min_m,
-        **threads,
+        quantization=getattr(ns, "quantization", None) or "none", **threads,
     )
 
 
@@ -156,6 +156,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "endpoints (env KILN_API_KEY); an empty key is an error")
     p.add_argument("--protect-metrics", action="store_true",
                    help="also require the API key on /metrics and the API docs pages (/docs, /openapi.json)")
+    p.add_argument("--quantization", choices=["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq"],
+                   default="none", help="with --load-format dummy: quantize the random weights at load (round to "
+                   "nearest; benchmarks). A real model is quantized by `kiln build`; an engine carries its own")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes on the port (HTTP, tokenization, detokenization), all in front "
                         "of one engine core process (default: %(default)s)")

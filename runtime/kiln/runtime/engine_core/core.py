@@ -171,6 +171,19 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs) or self._in_flight is not None
 
+    def report_stats(self) -> None:
+        """Send the scheduler's gauges to the stat logger now (after admissions and aborts
+        between steps, so an idle engine's gauges do not keep the last step's values)."""
+        if self.stat_logger is None:
+            return
+        sched = self.scheduler
+        kv = sched.kv_cache_manager
+        self.stat_logger.on_step(StepStats(
+            num_prompt_tokens=0, num_cached_prompt_tokens=0, num_generation_tokens=0, num_scheduled_tokens=0,
+            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
+            num_preemptions_total=sched.num_preemptions_total, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits))
+
     @property
     def num_requests(self) -> int:
         return len(self._seqs)

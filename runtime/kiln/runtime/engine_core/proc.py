@@ -174,6 +174,7 @@ class CoreLoop:
     def _drain_inputs(self) -> bool:
         """Apply every waiting message; True on Shutdown."""
         acks: dict[bytes, m.CoreOutputs] = {}
+        changed = False
         while True:
             try:
                 ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -195,6 +196,7 @@ class CoreLoop:
                     self.owner[req.request_id] = ident
                     ack.accepted.append(req.request_id)
             elif isinstance(msg, m.AbortRequests):
+                changed = True
                 self.core.abort_requests(msg.request_ids, msg.finish_reason)
                 for rid in msg.request_ids:
                     self.owner.pop(rid, None)
@@ -202,6 +204,8 @@ class CoreLoop:
                 self.metrics.on_api_stats(msg)
             elif isinstance(msg, m.Shutdown):
                 return True
+        if changed or acks:
+            self.core.report_stats()
         now = time.monotonic()
         for ident, ack in acks.items():
             ack.timestamp = now

@@ -79,7 +79,7 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, limits: ServerLimits | 
     async def health():
         if llm.errored is not None:
             return error_response(500, f"engine failed: {llm.errored}", "server_error")
-        return {"status": "ok"}
+        return {"status": "ok", "engine_core_pid": llm.info.pid}
 
     @app.get("/ready")
     async def ready():
