@@ -42,6 +42,7 @@ class ServiceProxy:
         self.url = f"http://{listen_host}:{self.port}"
         self.num_connections = 0
         self.num_connect_retries = 0
+        self._threads: list[threading.Thread] = []
 
     def refresh(self) -> list[tuple[str, int]]:
         slices = self.discovery.list_namespaced_endpoint_slice(
@@ -149,8 +150,10 @@ class ServiceProxy:
             self.refresh()
         except Exception:  # noqa: BLE001
             pass
-        for fn in (self._poll, self._accept):
-            threading.Thread(target=fn, daemon=True, name=f"proxy-{fn.__name__}").start()
+        self._threads = [threading.Thread(target=fn, daemon=True, name=f"proxy-{fn.__name__}")
+                         for fn in (self._poll, self._accept)]
+        for t in self._threads:
+            t.start()
         return self
 
     def wait_endpoints(self, n: int = 1, stall: float = 60, progress=None) -> list[tuple[str, int]]:
@@ -164,8 +167,16 @@ class ServiceProxy:
         return self.endpoints
 
     def stop(self) -> None:
+        """Stops accepting and polling, and waits for the poller's current API call: a daemon
+        thread inside a TLS call while the interpreter exits can crash it (SIGABRT)."""
         self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
             pass
+        for t in self._threads:
+            t.join(timeout=15)
