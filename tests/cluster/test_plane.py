@@ -169,7 +169,9 @@ def test_job_pod_completes(kube_plane, namespace):
            "spec": {"backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never", "containers": [
                {"name": "main", "image": "kiln/fake:latest", "command": ["true"]}]}}}}
     apply(kube_plane, namespace, job)
-    kube_plane.kubectl("wait", "-n", namespace, "--for=condition=Complete", "job/once", "--timeout=60s")
+    wait_for("job/once Complete", lambda: any(
+        c["type"] == "Complete" and c["status"] == "True"
+        for c in kube_plane.kubectl_json("get", "job", "once", "-n", namespace).get("status", {}).get("conditions", [])), 60)
     (pod,) = pods(kube_plane, namespace, "job-name=once")
     assert pod["status"]["phase"] == "Succeeded"
 
