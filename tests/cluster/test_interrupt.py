@@ -1,6 +1,6 @@
 """An interrupted test run stops what it started (kiln.devcluster.procs): a pytest run in a
-subprocess starts bound process groups (or a real control plane) and is sent SIGTERM or
-SIGKILL; afterwards none of its processes may remain."""
+subprocess starts bound process groups (or a real control plane), or a process builds the
+plane's binaries, and is sent SIGTERM or SIGKILL; afterwards none of its processes may remain."""
 
 from __future__ import annotations
 
@@ -134,9 +134,53 @@ def test_an_interrupted_run_stops_its_control_plane(tmp_path, sig):
     p.send_signal(sig)
     p.wait(timeout=120)
     try:
-        wait_for("the plane's processes gone", lambda: not any(alive(x) for x in pids), stall=30, interval=0.2)
+        try:
+            wait_for("the plane's processes gone", lambda: not any(alive(x) for x in pids), stall=30, interval=0.2)
+        except TimeoutError as e:
+            pytest.fail(f"{e}: left {[cmdline(x).split()[0].rsplit('/', 1)[-1] for x in pids if alive(x)]}")
         if sig == signal.SIGTERM:  # the fixture's teardown ran: the private plane is removed
             assert not Path(plane["dir"]).exists(), (tmp_path / "inner.log").read_text()
     finally:
         d = Path(plane["dir"])
         Plane(d.name, home=d.parent).down(quiet=True, remove=True)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def members_naming(text: str) -> list[int]:
+    """Live processes whose command line contains text."""
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and alive(int(d.name)) and text in cmdline(int(d.name))]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_interrupted_build_stops_go(tmp_path, sig):
+    """bin_dir(build=True) into an empty cache folder (the Go module and build caches of the
+    real build make it start at once), interrupted while go builds: no go process may remain."""
+    try:
+        bin_dir(build=False)  # the module cache is there: nothing is downloaded
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    cache = tmp_path / "cache"
+    code = ("from kiln.devcluster import procs; procs.interrupt_on_signals(); "
+            "from kiln.devcluster.plane import bin_dir; bin_dir()")
+    with open(tmp_path / "build.log", "wb") as log:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "KILN_CLUSTER_CACHE": str(cache)})
+    try:
+        wait_for("go building into the empty cache", lambda: any(
+            "go build" in cmdline(x) for x in members_naming(str(cache))) or p.poll() is not None,
+            stall=120, interval=0.2, progress=lambda: log_sizes(tmp_path, "build.log"))
+        assert p.poll() is None, (tmp_path / "build.log").read_text()
+        p.send_signal(sig)
+        p.wait(timeout=60)
+        wait_for("no build process left", lambda: not members_naming(str(cache)), stall=30, interval=0.2)
+    finally:
+        for x in members_naming(str(cache)):
+            os.kill(x, signal.SIGKILL)

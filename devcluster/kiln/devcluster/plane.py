@@ -211,8 +211,10 @@ class Plane:
     def _spawn(self, name: str, args: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "wb") as out:  # this start's log only
+            # An orphaned kube-apiserver can take minutes to stop on SIGTERM, and an orphaned
+            # plane's data is thrown away anyway (reap_stale): SIGKILL.
             p = procs.spawn(args, what=f"plane {self.name}: {name}", bind=self.bind, stdout=out,
-                            stderr=subprocess.STDOUT, cwd=self.dir)
+                            stderr=subprocess.STDOUT, cwd=self.dir, death_signal=signal.SIGKILL)
         self._procs[name] = p
         self.state.setdefault("pids", {})[name] = p.pid
         self._save()

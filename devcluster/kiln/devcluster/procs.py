@@ -9,9 +9,10 @@ the process that started it (a test run), in three layers:
    raises), so ``finally`` blocks and pytest's fixture teardowns run and stop what they started;
 2. at interpreter exit (``atexit``) every bound group still alive gets SIGTERM, then SIGKILL:
    what a teardown that never ran (or was interrupted again) left;
-3. the kernel sends SIGTERM to a bound process when the thread that started it dies
-   (``PR_SET_PDEATHSIG``, set by a small exec wrapper; Linux only), which covers an owner killed
-   with SIGKILL. ``preexec_fn`` would do the same but may deadlock in a threaded process.
+3. the kernel signals a bound process when the thread that started it dies (SIGTERM, or the
+   ``death_signal`` asked for; ``PR_SET_PDEATHSIG``, set by a small exec wrapper; Linux only),
+   which covers an owner killed with SIGKILL. ``preexec_fn`` would do the same but may deadlock
+   in a threaded process. Only the group's leader gets it: it must end its own children.
 
 An unbound process (a plane started by ``make cluster-up``, the demo's background node and
 operator) outlives its starter by design; ``Plane.down`` and ``Stack.down`` stop it.
@@ -29,14 +30,14 @@ import threading
 import time
 from typing import IO
 
-# Run as `python -I -S -c _PDEATHSIG_EXEC OWNER_PID ARGV...`: asks for SIGTERM when the parent
-# thread dies, exits if the owner is already gone (a race with the prctl), then becomes ARGV.
+# Run as `python -I -S -c _PDEATHSIG_EXEC OWNER_PID SIGNAL ARGV...`: asks for SIGNAL when the
+# parent thread dies, exits if the owner is already gone (a race with the prctl), becomes ARGV.
 _PDEATHSIG_EXEC = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[2]), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    os._exit(143)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
 )
 
 _lock = threading.Lock()
@@ -46,15 +47,16 @@ _exit_handler_registered = False
 
 def spawn(args: list[str], *, what: str, bind: bool, stdout: int | IO | None = None,
           stderr: int | IO | None = None, env: dict[str, str] | None = None,
-          cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+          cwd: str | os.PathLike | None = None, death_signal: int = signal.SIGTERM) -> subprocess.Popen:
     """Starts args in a new session (its pid is the process group's id). With bind=True the
-    group ends with this process (see the module docstring). stdin is /dev/null."""
+    group ends with this process (see the module docstring); death_signal is what the leader
+    gets if this process dies without stopping it. stdin is /dev/null."""
     exe = args[0] if os.sep in args[0] else shutil.which(args[0], path=(env or os.environ).get("PATH"))
     if exe is None or not os.access(exe, os.X_OK):
         raise FileNotFoundError(f"{args[0]}: no such executable")
     argv = [exe, *args[1:]]
     if bind and sys.platform.startswith("linux"):
-        argv = [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *argv]
+        argv = [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), str(int(death_signal)), *argv]
     p = subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                          start_new_session=True)
     if bind:
