@@ -19,13 +19,7 @@ if [ "${1:-}" = quick ]; then MODEL=builtin:llama-3.2-1b; N=64; IN=200; OUTLEN=1
 Q=${QUANT:-none}
 ENG="--model $MODEL --load-format dummy --max-num-seqs $SEQS --max-num-batched-tokens 4096 --kv-cache-memory-fraction 0.9"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-echo "== offline $Q: $N x $IN/$OUTLEN"
-$K bench offline $ENG --quantization $Q --num-prompts $N --input-len $IN --output-len $OUTLEN --json $OUT/offline.json \
-  2>&1 | tail -3
-echo "== offline batch 1: 4 x $IN/512"
-$K bench offline --model $MODEL --load-format dummy --max-num-seqs 1 --quantization $Q --num-prompts 4 \
-  --input-len $IN --output-len 512 --json $OUT/offline_b1.json 2>&1 | tail -3
-for API in 1 2; do
+for API in ${APIS:-1 2}; do
   echo "== serve (api-server-count $API) + bench serve"
   $K serve $ENG --quantization $Q --host 127.0.0.1 --port 8011 --api-server-count $API > $OUT/serve_$API.log 2>&1 &
   SP=$!
@@ -33,14 +27,20 @@ for API in 1 2; do
   curl -sf 127.0.0.1:8011/ready || { tail -30 $OUT/serve_$API.log; kill $SP; exit 1; }
   echo
   $K bench serve --url http://127.0.0.1:8011 --num-prompts $N --input-len $IN --output-len $OUTLEN \
-    --max-concurrency $SEQS --json $OUT/serve_c${SEQS}_api$API.json 2>&1 | tail -4
+    --range-ratio 0 --max-concurrency $SEQS --json $OUT/serve_c${SEQS}_api$API.json 2>&1 | tail -4
   if [ $API = 1 ]; then
     $K bench serve --url http://127.0.0.1:8011 --num-prompts 16 --input-len $IN --output-len 256 \
-      --max-concurrency 1 --json $OUT/serve_c1.json 2>&1 | tail -4
+      --range-ratio 0 --max-concurrency 1 --json $OUT/serve_c1.json 2>&1 | tail -4
   fi
   kill -TERM $SP; wait $SP
   echo "serve exit $?"
 done
+echo "== offline $Q: $N x $IN/$OUTLEN"
+$K bench offline $ENG --quantization $Q --num-prompts $N --input-len $IN --output-len $OUTLEN --json $OUT/offline.json \
+  2>&1 | tail -3
+echo "== offline batch 1: 2 x $IN/512"
+$K bench offline --model $MODEL --load-format dummy --max-num-seqs 1 --quantization $Q --num-prompts 2 \
+  --input-len $IN --output-len 512 --json $OUT/offline_b1.json 2>&1 | tail -3
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):

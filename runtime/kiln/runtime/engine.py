@@ -67,6 +67,10 @@ class LLMEngine:
     def eos_token_ids(self) -> set[int]:
         return self.core.eos_token_ids
 
+    @eos_token_ids.setter
+    def eos_token_ids(self, value: set[int]) -> None:
+        self.core.eos_token_ids = set(value)
+
     @property
     def stream_outputs(self) -> bool:
         """True: ``step()`` returns an output for every request that progressed (streaming);

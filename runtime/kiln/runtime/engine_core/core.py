@@ -65,7 +65,6 @@ class StatLogger(Protocol):
     metrics implement it)."""
 
     def on_scheduled(self, queue_seconds: float) -> None: ...
-    def on_token(self, itl_seconds: float) -> None: ...
     def on_first_token(self, ttft_seconds: float) -> None: ...
     def on_finish(self, stats: FinishedStats) -> None: ...
     def on_step(self, stats: StepStats) -> None: ...
@@ -225,10 +224,14 @@ class EngineCore:
             return
         # prompt tokens computed this step (prefill chunks; a decode computes a generated
         # token) and those the prefix cache served at admission
-        num_prompt = sum(sr.num_new_tokens for sr in out.scheduled if not sr.is_decode)
-        num_cached = sum(sr.num_cached_tokens for sr in out.scheduled)
+        num_prompt = num_cached = num_scheduled = 0
         now = time.monotonic()
         for sr in out.scheduled:
+            num_scheduled += sr.num_new_tokens
+            if sr.is_decode:
+                continue
+            num_prompt += sr.num_new_tokens
+            num_cached += sr.num_cached_tokens
             seq = self._seqs.get(sr.request.request_id)
             if seq is not None and not seq.scheduled_logged:
                 seq.scheduled_logged = True
@@ -238,7 +241,7 @@ class EngineCore:
         kv = sched.kv_cache_manager
         self.stat_logger.on_step(StepStats(
             num_prompt_tokens=num_prompt, num_cached_prompt_tokens=num_cached, num_generation_tokens=0,
-            num_scheduled_tokens=sum(sr.num_new_tokens for sr in out.scheduled),
+            num_scheduled_tokens=num_scheduled,
             num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
             num_preemptions_total=sched.num_preemptions_total, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits))
@@ -294,12 +297,9 @@ class EngineCore:
     def _on_token(self, seq: _Seq, tok: int, lp, now: float) -> CoreOutput:
         params = seq.params
         req = seq.request
-        if seq.record_metrics and self.stat_logger is not None:
-            if seq.first_token_time is None:
-                self.stat_logger.on_first_token(now - req.arrival_time)
-            else:
-                self.stat_logger.on_token(now - seq.last_token_time)
         if seq.first_token_time is None:
+            if seq.record_metrics and self.stat_logger is not None:
+                self.stat_logger.on_first_token(now - req.arrival_time)
             seq.first_token_time = now
         seq.last_token_time = now
         status, stop_reason = None, None

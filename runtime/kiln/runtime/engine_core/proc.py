@@ -61,11 +61,10 @@ def _serve_metrics(ctx: zmq.Context, address: str, render, stop: threading.Event
     sock.bind(address)
     try:
         while not stop.is_set():
-            if not sock.poll(200):
-                continue
             try:
-                sock.send(render(sock.recv()))
-            except zmq.ZMQError:
+                if sock.poll(200):
+                    sock.send(render(sock.recv()))
+            except zmq.ZMQError:  # the context is terminating
                 break
     finally:
         sock.close()
@@ -142,6 +141,7 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
         os._exit(1)
     finally:
         metrics_stop.set()
+        t.join(2)
     sock.close()
     ctx.term()
     os._exit(0)

@@ -178,7 +178,9 @@ def _supervise(info: m.CoreInfo, addresses: CoreAddresses, opts: ServeOptions, s
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return 0 if stopping["flag"] and all(p.exitcode == 0 for p in procs) else 1
+    # uvicorn ends a process it stopped on SIGTERM/SIGINT by re-raising that signal
+    clean = (0, -signal.SIGTERM, -signal.SIGINT)
+    return 0 if stopping["flag"] and all(p.exitcode in clean for p in procs) else 1
 
 
 __all__ = ["CoreStartError", "ServeOptions", "bind_socket", "run_api_server", "serve"]

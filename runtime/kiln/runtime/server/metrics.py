@@ -66,17 +66,16 @@ class Metrics:
         """A request produced its first token ``ttft_seconds`` after its arrival."""
         self.ttft.observe(max(0.0, ttft_seconds))
 
-    def on_token(self, itl_seconds: float) -> None:
-        """A request produced another token, ``itl_seconds`` after its previous one."""
-        self.tpot.observe(max(0.0, itl_seconds))
-
     def on_finish(self, stats) -> None:
         """A request finished (``stats``: the core's ``FinishedStats``)."""
         self.e2e.observe(max(0.0, stats.finish_time - stats.arrival_time))
         if stats.first_scheduled_time is not None and stats.first_token_time is not None:
             self.prefill_time.observe(max(0.0, stats.first_token_time - stats.first_scheduled_time))
         if stats.first_token_time is not None:
-            self.decode_time.observe(max(0.0, stats.finish_time - stats.first_token_time))
+            decode = max(0.0, stats.finish_time - stats.first_token_time)
+            self.decode_time.observe(decode)
+            if stats.num_generation_tokens > 1:  # the request's mean time per output token
+                self.tpot.observe(decode / (stats.num_generation_tokens - 1))
         self._built["kiln_request_success_total"].labels(self.model_name, stats.finish_reason).inc()
 
     def on_step(self, stats) -> None:
