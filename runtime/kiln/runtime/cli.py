@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights of the model's shape (benchmarks)")
+    p.add_argument("--no-verify-checksums", action="store_true",
+                   help="with --engine: skip hashing the weight files against the manifest at load (sizes are "
+                        "still checked)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly (debugging)")
     p.add_argument("--no-async-scheduling", action="store_true",
@@ -68,7 +71,8 @@ def engine_args_from(ns: argparse.Namespace):
 
     threads = {} if ns.cpu_threads is None else {"cpu_threads": ns.cpu_threads}  # else KILN_CPU_THREADS
     return EngineArgs(
-        model=ns.model, engine=ns.engine, device=ns.device, dtype=ns.dtype,
+        model=ns.model, engine=ns.engine, verify_checksums=not ns.no_verify_checksums, device=ns.device,
+        dtype=ns.dtype,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len, block_size=ns.block_size,
         kv_cache_memory_fraction=ns.kv_cache_memory_fraction, num_kv_blocks=ns.num_kv_blocks,

@@ -2,13 +2,15 @@
 
 One of the two entry points (with the CLI) that read the environment: ``KILN_CPU_THREADS``
 (``env_cpu_threads``) is the default of ``EngineArgs.cpu_threads`` and of ``kiln build``'s
-thread count.
+thread count; ``KILN_CACHE_DIR`` (``env_cache_dir``) is where converted models and the
+synthetic tokenizers are kept.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kiln.kernels.options import KernelOptions
 
@@ -29,6 +31,11 @@ def env_cpu_threads() -> int | None:
     return value or None
 
 
+def env_cache_dir() -> Path:
+    """``$KILN_CACHE_DIR``, else ``~/.cache/kiln``."""
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+
+
 @dataclass
 class EngineArgs:
     """Everything needed to start an engine.
@@ -40,6 +47,8 @@ class EngineArgs:
 
     model: str | None = None  # builtin:<name>, a .gguf file or a HF folder
     engine: str | None = None  # a Kiln engine folder (from ``kiln build``)
+    # hash every weight file of ``engine`` against its manifest at load (sizes are always checked)
+    verify_checksums: bool = True
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     # None: the serving default (64 sequences, 2048 tokens), capped by an engine's build limits

@@ -112,18 +112,16 @@ class EngineFolder:
             runner.kv_cache_torch_dtype = kv_fp8.KV_DTYPE
 
 
-def open_engine(path: str | os.PathLike, verify: bool | None = None) -> EngineFolder:
+def open_engine(path: str | os.PathLike, verify: bool = True) -> EngineFolder:
     """Open and verify an engine folder (``kiln.common.manifest.verify_engine``).
 
     Args:
         path: the engine folder.
-        verify: hash every weight file against the manifest (default: on, unless
-            ``KILN_ENGINE_VERIFY=0``).  Sizes are always checked.
+        verify: hash every weight file against the manifest (``kiln serve
+            --no-verify-checksums`` turns it off).  Sizes are always checked.
     Raises:
         EngineFormatError: missing folder or manifest, another format version, an unfinished
             build, a manifest whose hash does not match its spec, a missing, truncated or
             modified weight file.
     """
-    if verify is None:
-        verify = os.environ.get("KILN_ENGINE_VERIFY", "1") not in ("0", "false", "no")
     return EngineFolder(Path(path), verify_engine(path, verify_checksums=verify))

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from .config import env_cache_dir
 from .model.config import ModelConfig, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,9 @@ def resolve_source(src: str | os.PathLike | None) -> ResolvedSource:
 
 
 def cache_root() -> Path:
-    """Where Kiln keeps converted models: ``$KILN_CACHE_DIR`` or ``~/.cache/kiln``."""
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    """Where Kiln keeps converted models: ``$KILN_CACHE_DIR`` or ``~/.cache/kiln``
+    (``config.env_cache_dir``)."""
+    return env_cache_dir()
 
 
 def materialize_gguf(src: ResolvedSource) -> ResolvedSource:

@@ -83,7 +83,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
     if args.engine:
         from ..engine_folder import open_engine  # noqa: PLC0415  (kiln build's output)
 
-        eng = open_engine(args.engine)
+        eng = open_engine(args.engine, verify=args.verify_checksums)
         cfg: ModelConfig = eng.model_config
         check_max_model_len(args, cfg)
         # the engine's build limit (TensorRT-LLM's max_seq_len): serve at most that context
