@@ -7,6 +7,8 @@ import asyncio
 import codecs
 import json
 from http import HTTPStatus
+
+import msgspec
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,12 +43,20 @@ class AuthError(Exception):
     """Missing or wrong API key (-> 401)."""
 
 
-def sse(obj: Any) -> str:
-    """One Server-Sent Event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj)}\n\n"
+_JSON = msgspec.json.Encoder()
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(obj: Any) -> bytes:
+    """One Server-Sent Event carrying ``obj`` (a response struct or plain data) as JSON."""
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    """``obj`` (a response struct or plain data) as an ``application/json`` response."""
+    return Response(_JSON.encode(obj), status_code=status, media_type="application/json")
 
 
 def json_type(value) -> str:
@@ -161,12 +171,6 @@ def validate_model(cls, body: dict):
         raise InvalidRequestError(validation_message(e)) from e
     except RecursionError as e:
         raise InvalidRequestError("request body nested too deeply") from e
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object (tokens)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _byte_level_decoder() -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
@@ -253,3 +254,137 @@ class GenerateRequest(BaseModel):
             min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos)
+
+
+# --- responses -----------------------------------------------------------------------------
+# msgspec structs, encoded straight to JSON bytes (one SSE chunk per generated token makes the
+# encoder part of the serving path).  Fields without a default are always present, as
+# OpenAI's clients expect (``"finish_reason": null`` while a choice runs).
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """OpenAI's ``usage`` object (tokens)."""
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    object: str = "text_completion"
+
+
+class CompletionStreamChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class CompletionChunk(msgspec.Struct):
+    """One SSE event of a streamed completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    object: str = "text_completion"
+
+
+class CompletionUsageChunk(msgspec.Struct):
+    """The last event of a stream with ``stream_options.include_usage``."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage
+    choices: list[CompletionStreamChoice] = []
+    object: str = "text_completion"
+
+
+class ChatMessageOut(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: dict[str, str]
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One SSE event of a streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    object: str = "chat.completion.chunk"
+
+
+class ChatUsageChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    usage: Usage
+    choices: list[ChatStreamChoice] = []
+    object: str = "chat.completion.chunk"
+
+
+class GenerateResponse(msgspec.Struct):
+    """Triton's ``generate`` answer."""
+
+    model_name: str
+    model_version: str
+    text_output: str
+    finish_reason: str | None
+    num_input_tokens: int
+    num_output_tokens: int
+
+
+class GenerateChunk(msgspec.Struct):
+    """One SSE event of Triton's ``generate_stream``."""
+
+    model_name: str
+    model_version: str
+    text_output: str
+    finish_reason: str | None

@@ -9,8 +9,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import EngineDeadError, InvalidRequestError
-from .http_utils import SSE_DONE, ClientGoneError, chat_logprobs, error_body, sse, usage
-from .protocol import ChatCompletionRequest
+from .http_utils import SSE_DONE, ClientGoneError, chat_logprobs, error_body, json_response, sse
+from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
+                       ChatStreamChoice, ChatUsageChunk, usage_of)
 from .serving import ServingBase, collect
 
 
@@ -37,21 +38,20 @@ class OpenAIServingChat(ServingBase):
             return StreamingResponse(self._stream(rid, model, gen, params.n, req), media_type="text/event-stream")
         (out,) = await collect([gen])
         ctoks = sum(len(c.token_ids) for c in out.outputs)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(len(out.prompt_token_ids), ctoks)}
+        choices = [ChatChoice(c.index, ChatMessageOut(c.text),
+                              chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
+                              c.finish_reason, c.stop_reason) for c in out.outputs]
+        return json_response(ChatCompletionResponse(rid, int(time.time()), model, choices,
+                                                    usage_of(len(out.prompt_token_ids), ctoks)))
 
     async def _stream(self, rid, model, gen, n, req: ChatCompletionRequest):
         created_ts = int(time.time())
         finished_sent: set[int] = set()
         final = None
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created_ts, "model": model}
         try:
             for i in range(n):
-                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                yield sse(ChatCompletionChunk(rid, created_ts, model, [ChatStreamChoice(
+                    i, {"role": "assistant", "content": ""}, None, None)]))
             try:
                 async for out in gen:
                     final = out
@@ -62,10 +62,11 @@ class OpenAIServingChat(ServingBase):
                             continue
                         if ends:
                             finished_sent.add(c.index)
-                        choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                  "logprobs": chat_logprobs(c.delta_logprobs, self.token_text) if req.logprobs else None,
-                                  "finish_reason": c.finish_reason if ends else None}
-                        yield sse({**head, "choices": [choice]})
+                        choice = ChatStreamChoice(
+                            c.index, {"content": c.delta_text} if c.delta_text else {},
+                            chat_logprobs(c.delta_logprobs, self.token_text) if req.logprobs else None,
+                            c.finish_reason if ends else None)
+                        yield sse(ChatCompletionChunk(rid, created_ts, model, [choice]))
             except EngineDeadError as e:
                 yield sse(error_body(str(e), "server_error"))
                 yield SSE_DONE
@@ -74,7 +75,7 @@ class OpenAIServingChat(ServingBase):
                 return
             if req.stream_options and req.stream_options.include_usage and final is not None:
                 ctoks = sum(len(c.token_ids) for c in final.outputs)
-                yield sse({**head, "choices": [], "usage": usage(len(final.prompt_token_ids), ctoks)})
+                yield sse(ChatUsageChunk(rid, created_ts, model, usage_of(len(final.prompt_token_ids), ctoks)))
             yield SSE_DONE
         finally:
             await gen.aclose()

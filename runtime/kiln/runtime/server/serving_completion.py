@@ -10,8 +10,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import EngineDeadError, InvalidRequestError
-from .http_utils import SSE_DONE, Offsets, completion_logprobs, error_body, sse, usage
-from .protocol import CompletionRequest
+from .http_utils import SSE_DONE, Offsets, completion_logprobs, error_body, json_response, sse
+from .protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, CompletionStreamChoice,
+                       CompletionUsageChunk, usage_of)
 from .serving import ServingBase, collect
 
 
@@ -43,13 +44,11 @@ class OpenAIServingCompletion(ServingBase):
             ptoks += len(out.prompt_token_ids)
             for c in out.outputs:
                 ctoks += len(c.token_ids)
-                choices.append({"index": pi * params.n + c.index, "text": echoes[pi] + c.text,
-                                "logprobs": (completion_logprobs(c.logprobs, self.token_text, Offsets(len(echoes[pi])),
-                                                                 len(echoes[pi]) + len(c.text))
-                                             if req.logprobs is not None else None),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(ptoks, ctoks)}
+                lps = (completion_logprobs(c.logprobs, self.token_text, Offsets(len(echoes[pi])),
+                                           len(echoes[pi]) + len(c.text)) if req.logprobs is not None else None)
+                choices.append(CompletionChoice(pi * params.n + c.index, echoes[pi] + c.text, lps, c.finish_reason,
+                                                c.stop_reason))
+        return json_response(CompletionResponse(base, int(time.time()), model, choices, usage_of(ptoks, ctoks)))
 
     async def _stream(self, base, model, gens, n, req: CompletionRequest, echoes: list[str]):
         created_ts = int(time.time())
@@ -73,9 +72,8 @@ class OpenAIServingCompletion(ServingBase):
         try:
             for pi, text in enumerate(echoes):
                 for i in range(n if text else 0):
-                    yield sse({"id": base, "object": "text_completion", "created": created_ts, "model": model,
-                               "choices": [{"index": pi * n + i, "text": text, "logprobs": None,
-                                            "finish_reason": None}]})
+                    yield sse(CompletionChunk(base, created_ts, model, [CompletionStreamChoice(pi * n + i, text, None,
+                                                                                               None)]))
             while remaining:
                 pi, out = await queue.get()
                 if out is None:
@@ -108,12 +106,10 @@ class OpenAIServingCompletion(ServingBase):
                             sent[idx] = len(echoes[pi])
                         sent[idx] += len(c.delta_text)
                         lp_obj = completion_logprobs(c.delta_logprobs, self.token_text, offsets[idx], sent[idx])
-                    yield sse({"id": base, "object": "text_completion", "created": created_ts, "model": model,
-                               "choices": [{"index": idx, "text": c.delta_text, "logprobs": lp_obj,
-                                            "finish_reason": c.finish_reason if final else None}]})
+                    yield sse(CompletionChunk(base, created_ts, model, [CompletionStreamChoice(
+                        idx, c.delta_text, lp_obj, c.finish_reason if final else None)]))
             if req.stream_options and req.stream_options.include_usage:
-                yield sse({"id": base, "object": "text_completion", "created": created_ts, "model": model,
-                           "choices": [], "usage": usage(ptoks, ctoks)})
+                yield sse(CompletionUsageChunk(base, created_ts, model, usage_of(ptoks, ctoks)))
             yield SSE_DONE
         finally:
             for t in tasks:

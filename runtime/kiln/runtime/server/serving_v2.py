@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..errors import EngineDeadError, InvalidRequestError
-from .http_utils import (BodyTimeoutError, BodyTooLargeError, ClientGoneError, read_json_body, sse,
+from .http_utils import (BodyTimeoutError, BodyTooLargeError, ClientGoneError, json_response, read_json_body, sse,
                          validation_message)
-from .protocol import GenerateRequest
+from .protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from .serving import ServingBase, collect
 
 SERVER_NAME = "kiln"
@@ -85,28 +85,27 @@ class TritonServing(ServingBase):
             return self._fail(408, str(e))
         except EngineDeadError as e:
             return self._fail(500, str(e))
-        head = {"model_name": self.model_name, "model_version": MODEL_VERSION}
         if stream:
-            return StreamingResponse(self._stream(head, gen), media_type="text/event-stream")
+            return StreamingResponse(self._stream(gen), media_type="text/event-stream")
         try:
             (out,) = await collect([gen])
         except EngineDeadError as e:
             return self._fail(500, str(e))
         c = out.outputs[0]
-        return JSONResponse({**head, "text_output": c.text, "finish_reason": c.finish_reason,
-                             "num_input_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids)})
+        return json_response(GenerateResponse(self.model_name, MODEL_VERSION, c.text, c.finish_reason,
+                                              len(out.prompt_token_ids), len(c.token_ids)))
 
     def _fail(self, status: int, message: str) -> JSONResponse:
         self.llm.count_failure({400: "bad_request", 408: "timeout", 413: "too_large"}.get(status, "engine_error"))
         return v2_error(status, message)
 
-    async def _stream(self, head: dict[str, Any], gen):
+    async def _stream(self, gen):
         try:
             async for out in gen:
                 c = out.outputs[0]
                 if not c.delta_text and c.finish_reason is None:
                     continue
-                yield sse({**head, "text_output": c.delta_text, "finish_reason": c.finish_reason})
+                yield sse(GenerateChunk(self.model_name, MODEL_VERSION, c.delta_text, c.finish_reason))
         except EngineDeadError as e:
             yield sse({"error": str(e)})
         except ClientGoneError:
