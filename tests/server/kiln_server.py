@@ -50,7 +50,9 @@ class Server:
         return total
 
 
-def start_server(*extra: str, api_key: str | None = None) -> Server:
+def start_server(*extra: str, api_key: str | None = None, new_session: bool = False) -> Server:
+    """``kiln serve`` on a free port; ``new_session`` puts it in its own process group (tests
+    that signal the whole group)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if api_key:
@@ -58,7 +60,7 @@ def start_server(*extra: str, api_key: str | None = None) -> Server:
     log = open(f"/tmp/kiln-serve-{port}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "--log-level", "WARNING", "serve",
                              "--host", "127.0.0.1", "--port", str(port), *extra],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc, timeout_s=600)

@@ -283,3 +283,30 @@ def test_streamed_chunks_arrive_one_token_at_a_time(limited):
                 json.loads(line[6:])
     assert len(times) >= 8
     assert times[-1] - times[0] > 0
+
+
+def test_sigterm_to_the_process_group_drains_streams():
+    """A SIGTERM sent to the server's whole process group (Ctrl-C in a terminal, a supervisor
+    killing the group) lets running streams finish: the engine core keeps stepping until the
+    API process has drained, then everything exits."""
+    import os
+    import signal
+
+    s = start_server("--max-num-seqs", "4", "--shutdown-timeout", "120", new_session=True)
+    procs = [s.proc.pid] + [p.pid for p in _descendants(s.proc.pid)]
+    try:
+        chunks: list[str] = []
+        with httpx.stream("POST", f"{s.v1}/completions", timeout=300,
+                          json={"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+                    if len(chunks) == 1:
+                        os.killpg(os.getpgid(s.proc.pid), signal.SIGTERM)
+        assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length", \
+            chunks[-2:]
+        assert s.proc.wait(timeout=120) in (0, -15)
+    finally:
+        stop_server(s)
+    _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                          for p in procs), "every server process gone")

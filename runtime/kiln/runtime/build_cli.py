@@ -66,11 +66,13 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 
 
-def _error(args: argparse.Namespace, code: int, msg: str) -> int:
-    """Report a failed build: ``msg`` on stderr and, when the ``--termination-log`` file exists
-    (in a Kubernetes container it does), in that file, where the kubelet reads the container's
-    termination message (the operator puts it in the InferenceEngine's status).  Returns ``code``."""
-    print(f"kiln build: error: {msg}", file=sys.stderr)
+def _error(args: argparse.Namespace, code: int, msg: str, echo: bool = True) -> int:
+    """Report a failed build: ``msg`` on stderr (unless ``echo`` is False: the caller prints it)
+    and, when the ``--termination-log`` file exists (in a Kubernetes container it does), in that
+    file, where the kubelet reads the container's termination message (the operator puts it in
+    the InferenceEngine's status).  Returns ``code``."""
+    if echo:
+        print(f"kiln build: error: {msg}", file=sys.stderr)
     path = getattr(args, "termination_log", None)
     if path and os.path.isfile(path):
         try:
@@ -153,6 +155,9 @@ def run_build(args: argparse.Namespace) -> int:
         return _error(args, 2, str(e))
     except BuildError as e:
         return _error(args, 1, str(e))
+    except ImportError as e:  # the `kiln` dispatcher prints the one-line reason
+        _error(args, 1, f"cannot import module {e.name or e!s}: {e}", echo=False)
+        raise
     except Exception as e:  # an unexpected crash: the cause still reaches the termination message
         _error(args, 1, f"unexpected {type(e).__name__}: {e}")
         raise

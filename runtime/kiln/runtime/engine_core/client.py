@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -92,12 +93,17 @@ class CoreProcess:
         return self._proc is not None and self._proc.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the core to stop (SIGTERM), then kill it if it has not after ``timeout``."""
+        """Ask the core to stop (SIGUSR1: it ignores SIGTERM/SIGINT so that a signal to the
+        whole process group lets the API processes drain first), then kill it if it has not
+        stopped after ``timeout`` seconds."""
         p = self._proc
         if p is None:
             return
         if p.is_alive():
-            p.terminate()
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
             p.join(timeout)
         if p.is_alive():
             p.kill()

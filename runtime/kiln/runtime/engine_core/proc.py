@@ -7,7 +7,10 @@ added it); one REP at ``metrics_address`` answered by a thread, so ``GET /metric
 while a long step runs.  Start-up reports over a ``multiprocessing`` pipe: ``("ready",
 CoreInfo bytes)`` or ``("error", one line, exit code)``.
 
-The process ends when told (:class:`Shutdown`), on SIGTERM/SIGINT, or when its parent dies
+The process ignores SIGTERM and SIGINT: a signal sent to the whole process group (Ctrl-C, a
+process supervisor) must let the API processes drain their requests for
+``--shutdown-timeout`` while the core keeps stepping.  It ends when its launcher sends
+SIGUSR1 (after the API processes stopped), on :class:`Shutdown`, or when its parent dies
 (``PR_SET_PDEATHSIG``), so no core outlives its server.
 """
 
@@ -88,8 +91,9 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
     def _on_signal(signum, frame):
         stop["flag"] = True
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGUSR1, _on_signal)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s core: %(message)s")
     try:
