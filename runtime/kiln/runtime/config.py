@@ -97,6 +97,9 @@ class EngineArgs:
                              w4a16_dequant_min_m=self.w4a16_dequant_min_m)
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be at least 1 (leave it out for one thread per core), "
+                             f"got {self.cpu_threads}")
         if self.model and self.engine:
             raise ValueError("give either model or engine, not both")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -9,3 +9,8 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; every in-flight request fails with this (HTTP 500)."""
+
+
+class ServerShuttingDownError(RuntimeError):
+    """The server is stopping and the request did not finish within ``--shutdown-timeout``
+    (HTTP 503; a stream ends with an error event)."""

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from .async_llm import AsyncLLM
 from .http_utils import (AuthError, BodyTimeoutError, BodyTooLargeError, ClientGoneError, ModelNotFoundError,
                          error_response, http_error, validation_message)
@@ -123,13 +123,11 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, limits: ServerLimits | 
 
 
 def _add_v2_routes(app: FastAPI, v2: TritonServing, auth) -> None:
+    """The v2 routes.  Model names may contain ``/`` (``org/model``), so ``name`` is a path
+    parameter and the routes with a suffix come before the bare metadata route."""
     app.add_api_route("/v2", v2.server_metadata, methods=["GET"], response_model=None)
     app.add_api_route("/v2/health/live", v2.live, methods=["GET"], response_model=None)
     app.add_api_route("/v2/health/ready", v2.ready, methods=["GET"], response_model=None)
-    app.add_api_route("/v2/models/{name}", v2.model_metadata, methods=["GET"], response_model=None)
-    app.add_api_route("/v2/models/{name}/versions/{version}", v2.model_metadata, methods=["GET"], response_model=None)
-    app.add_api_route("/v2/models/{name}/ready", v2.model_ready, methods=["GET"], response_model=None)
-    app.add_api_route("/v2/models/{name}/versions/{version}/ready", v2.model_ready, methods=["GET"], response_model=None)
 
     async def generate(request: Request, name: str, version: str | None = None):
         return await v2.generate(request, name, version, stream=False)
@@ -137,9 +135,14 @@ def _add_v2_routes(app: FastAPI, v2: TritonServing, auth) -> None:
     async def generate_stream(request: Request, name: str, version: str | None = None):
         return await v2.generate(request, name, version, stream=True)
 
-    for path in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+    for path in ("/v2/models/{name:path}/versions/{version}", "/v2/models/{name:path}"):
         app.add_api_route(path + "/generate", generate, methods=["POST"], dependencies=auth, response_model=None)
-        app.add_api_route(path + "/generate_stream", generate_stream, methods=["POST"], dependencies=auth, response_model=None)
+        app.add_api_route(path + "/generate_stream", generate_stream, methods=["POST"], dependencies=auth,
+                          response_model=None)
+        app.add_api_route(path + "/ready", v2.model_ready, methods=["GET"], response_model=None)
+    app.add_api_route("/v2/models/{name:path}/versions/{version}", v2.model_metadata, methods=["GET"],
+                      response_model=None)
+    app.add_api_route("/v2/models/{name:path}", v2.model_metadata, methods=["GET"], response_model=None)
 
 
 def _install_error_handlers(app: FastAPI, llm: AsyncLLM) -> None:
@@ -170,6 +173,10 @@ def _install_error_handlers(app: FastAPI, llm: AsyncLLM) -> None:
     @app.exception_handler(EngineDeadError)
     async def _on_dead(request: Request, exc: EngineDeadError):
         return failed("engine_error", error_response(500, str(exc), "server_error"))
+
+    @app.exception_handler(ServerShuttingDownError)
+    async def _on_shutdown(request: Request, exc: ServerShuttingDownError):
+        return failed("shutdown", error_response(503, str(exc), "server_error"))
 
     @app.exception_handler(ClientGoneError)
     async def _on_gone(request: Request, exc: ClientGoneError):

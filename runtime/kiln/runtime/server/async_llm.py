@@ -74,6 +74,8 @@ class AsyncLLM:
         self._proc = psutil.Process()
         self.errored: BaseException | None = None
         self.ready = False
+        # Called once the core is found dead (after every waiting request has failed).
+        self.on_dead = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -214,12 +216,22 @@ class AsyncLLM:
     async def _watch_core(self) -> None:
         while core_alive(self.info.pid):
             await asyncio.sleep(0.2)
-        self._fail_all(EngineDeadError(f"the engine core process (pid {self.info.pid}) exited"))
-
-    def _fail_all(self, err: BaseException) -> None:
+        err = EngineDeadError(f"the engine core process (pid {self.info.pid}) exited")
         log.error("%s; failing %d requests", err, len(self._waiters))
         self.errored = err
         self.ready = False
+        self._fail_all(err)
+        if self.on_dead is not None:
+            self.on_dead()
+
+    def fail_running(self, err: BaseException) -> None:
+        """End every running request with ``err`` (its stream gets an error event) and abort
+        it in the core: the server is stopping and their time is up."""
+        if self._waiters:
+            log.warning("%s: ending %d running requests", err, len(self._waiters))
+        self._fail_all(err)
+
+    def _fail_all(self, err: BaseException) -> None:
         for w in self._waiters.values():
             if not w.accepted.done():
                 w.accepted.set_exception(err)

@@ -101,6 +101,8 @@ def http_error(request: Request, exc: HTTPException) -> Response:
         message = f"method {request.method} is not allowed on {request.url.path}; it takes {allow}"
     else:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if request.url.path == "/v2" or request.url.path.startswith("/v2/"):  # Triton's error body
+        return JSONResponse({"error": message}, status_code=status, headers=exc.headers)
     etype = "server_error" if status >= 500 else "invalid_request_error"
     return JSONResponse(error_body(message, etype), status_code=status, headers=exc.headers)
 

@@ -17,6 +17,7 @@ import signal
 import socket
 from dataclasses import dataclass
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import EngineArgs
@@ -99,8 +100,6 @@ def run_api_server(info: m.CoreInfo, addresses: CoreAddresses, index: int, opts:
                    sock: socket.socket | None = None) -> None:
     """One API server process: load the tokenizer, connect to the core, serve HTTP until
     SIGTERM (then drain for ``shutdown_timeout``)."""
-    import uvicorn  # noqa: PLC0415
-
     from ..engine_core.loading import load_tokenizer  # noqa: PLC0415
     from ..engine_core.proc import die_with_parent  # noqa: PLC0415
     from .api import build_app  # noqa: PLC0415
@@ -116,8 +115,36 @@ def run_api_server(info: m.CoreInfo, addresses: CoreAddresses, index: int, opts:
     app = build_app(llm, api_key=opts.api_key, limits=opts.limits, protect_metrics=opts.protect_metrics)
     config = uvicorn.Config(app, log_level=opts.log_level.lower(), timeout_graceful_shutdown=opts.shutdown_timeout,
                             http=header_timeout_protocol(opts.header_timeout), access_log=False)
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, llm, opts.shutdown_timeout)
     asyncio.run(server.serve(sockets=[sock]))
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, plus: requests still running shortly before ``--shutdown-timeout``
+    ends get an error (a stream's last event says why) instead of a cut connection, and the
+    process stops on its own one second after the engine core died (``/health`` fails
+    meanwhile), so a server without probes does not stay up broken."""
+
+    def __init__(self, config, llm, drain_seconds: float):
+        super().__init__(config)
+        self.llm = llm
+        self.drain_seconds = drain_seconds
+        llm.on_dead = self._on_core_dead
+
+    def _on_core_dead(self) -> None:
+        asyncio.get_running_loop().call_later(1.0, setattr, self, "should_exit", True)
+
+    async def shutdown(self, sockets=None) -> None:
+        from ..errors import ServerShuttingDownError  # noqa: PLC0415
+
+        err = ServerShuttingDownError(f"the server is shutting down and this request did not finish within "
+                                      f"--shutdown-timeout ({self.drain_seconds:g} s)")
+        margin = min(1.0, self.drain_seconds / 2)
+        timer = asyncio.get_running_loop().call_later(self.drain_seconds - margin, self.llm.fail_running, err)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def serve(args: EngineArgs, opts: ServeOptions) -> int:

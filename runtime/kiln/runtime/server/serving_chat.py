@@ -8,7 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from .http_utils import SSE_DONE, ClientGoneError, chat_logprobs, error_body, json_response, sse
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
                        ChatStreamChoice, ChatUsageChunk, usage_of)
@@ -67,9 +67,8 @@ class OpenAIServingChat(ServingBase):
                             chat_logprobs(c.delta_logprobs, self.token_text) if req.logprobs else None,
                             c.finish_reason if ends else None)
                         yield sse(ChatCompletionChunk(rid, created_ts, model, [choice]))
-            except EngineDeadError as e:
+            except (EngineDeadError, ServerShuttingDownError) as e:  # no [DONE]: the stream did not finish
                 yield sse(error_body(str(e), "server_error"))
-                yield SSE_DONE
                 return
             except ClientGoneError:
                 return

@@ -9,7 +9,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from .http_utils import SSE_DONE, Offsets, completion_logprobs, error_body, json_response, sse
 from .protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, CompletionStreamChoice,
                        CompletionUsageChunk, usage_of)
@@ -80,9 +80,8 @@ class OpenAIServingCompletion(ServingBase):
                     remaining -= 1
                     continue
                 if isinstance(out, BaseException):
-                    if isinstance(out, EngineDeadError):
-                        yield sse(error_body(str(out), "server_error"))
-                        yield SSE_DONE
+                    if isinstance(out, (EngineDeadError, ServerShuttingDownError)):
+                        yield sse(error_body(str(out), "server_error"))  # no [DONE]: it did not finish
                     return
                 if out.finished:
                     ptoks += len(out.prompt_token_ids)

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from .http_utils import (BodyTimeoutError, BodyTooLargeError, ClientGoneError, json_response, read_json_body, sse,
                          validation_message)
 from .protocol import GenerateChunk, GenerateRequest, GenerateResponse
@@ -91,6 +91,8 @@ class TritonServing(ServingBase):
             (out,) = await collect([gen])
         except EngineDeadError as e:
             return self._fail(500, str(e))
+        except ServerShuttingDownError as e:
+            return self._fail(503, str(e))
         c = out.outputs[0]
         return json_response(GenerateResponse(self.model_name, MODEL_VERSION, c.text, c.finish_reason,
                                               len(out.prompt_token_ids), len(c.token_ids)))
@@ -106,7 +108,7 @@ class TritonServing(ServingBase):
                 if not c.delta_text and c.finish_reason is None:
                     continue
                 yield sse(GenerateChunk(self.model_name, MODEL_VERSION, c.delta_text, c.finish_reason))
-        except EngineDeadError as e:
+        except (EngineDeadError, ServerShuttingDownError) as e:
             yield sse({"error": str(e)})
         except ClientGoneError:
             return
