@@ -60,6 +60,3 @@ def test_cuda_mlp_fuses_swiglu(monkeypatch, T):
     assert (y.float() - ref).norm() / ref.norm() < 2e-2
     if T <= 2:
         assert not calls, "the SiLU-and-mul kernel ran although the GEMV fuses it"
-    monkeypatch.setenv("KILN_W4A16_FUSED_SILU", "0")
-    calls.clear()
-    assert (mlp(x).float() - ref).norm() / ref.norm() < 2e-2 and calls  # switched off: the kernel runs
