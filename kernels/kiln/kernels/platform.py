@@ -1,29 +1,23 @@
 """Where the kernels run: Triton's CPU interpreter or a GPU.
 
-``interpreting()`` is the one place that reads ``TRITON_INTERPRET``, Triton's own switch for
-its CPU interpreter (Kiln's kernel tests set it; it is not a Kiln setting).  Plain Python: no
-torch or Triton import at module load.
+``interpreting()`` asks Triton whether its CPU interpreter is on (``triton.knobs``, which
+reads Triton's own ``TRITON_INTERPRET``; Kiln's kernel tests set it, it is not a Kiln
+setting).  Plain Python: no torch or Triton import at module load.
 """
 
 from __future__ import annotations
-
-import os
 
 __all__ = ["interpreting", "ensure_interpreter_compat"]
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
-
-    Read through ``triton.knobs.runtime.interpret`` when this Triton has knobs (3.4+), else
-    from the environment variable Triton itself reads."""
+    """True when Triton runs kernels in its CPU interpreter (``triton.knobs.runtime.interpret``,
+    Triton 3.4+); False without Triton (the torch reference path runs then)."""
     try:
         from triton import knobs  # noqa: PLC0415
     except ImportError:
-        knobs = None
-    if knobs is not None and hasattr(knobs, "runtime") and hasattr(knobs.runtime, "interpret"):
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton's own switch
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 def ensure_interpreter_compat() -> None:

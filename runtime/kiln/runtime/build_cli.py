@@ -145,7 +145,7 @@ def run_build(args: argparse.Namespace) -> int:
     prev = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     from .compile_cache import prepare_shared_cache  # noqa: PLC0415
 
-    prepare_shared_cache()  # the serving pods' Triton cache on the claim (operator builds only)
+    prepare_shared_cache(os.environ)  # the serving pods' Triton cache on the claim (operator builds only)
     try:
         res = build_engine(spec, args.model, args.output, device=args.device, progress=_stderr_progress)
     except _Terminated:

@@ -131,7 +131,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     check_can_listen(ns.host, ns.port)
     from .compile_cache import ensure_writable_cache_dir  # noqa: PLC0415
 
-    ensure_writable_cache_dir()  # before the first Triton compile (the warm-up)
+    ensure_writable_cache_dir(os.environ)  # before the first Triton compile (the warm-up)
 
     from .engine_core.client import CoreStartError  # noqa: PLC0415
     from .server.launcher import ServeOptions, serve  # noqa: PLC0415

@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ SHARED_CACHE_DIRNAME = ".compile-cache"  # on the engine cache claim, next to th
 SHARED_CACHE_MODE = 0o2775  # group-writable (fsGroup), setgid: new subfolders keep the group
 
 
-def prepare_shared_cache(environ: MutableMapping[str, str] = os.environ) -> str | None:
+def prepare_shared_cache(environ: Mapping[str, str]) -> str | None:
     """Create the claim's shared compile-cache folder named by ``KILN_COMPILE_CACHE_DIR`` (the
-    build Job sets it), group-writable.  Returns the folder, or None when the variable is
+    build Job sets it; ``environ`` is the process environment, passed by ``kiln build``),
+    group-writable.  Returns the folder, or None when the variable is
     unset or the folder cannot be created (logged; a build never fails for it)."""
     path = environ.get(ENV_SHARED_CACHE)
     if not path:
@@ -52,12 +53,13 @@ def prepare_shared_cache(environ: MutableMapping[str, str] = os.environ) -> str 
     return path
 
 
-def ensure_writable_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str | None:
+def ensure_writable_cache_dir(environ: MutableMapping[str, str]) -> str | None:
     """Make sure Triton can write its cache: when ``TRITON_CACHE_DIR`` is set, create it and
     test a write there; if that fails (``OSError``: not a folder, read-only, owned by another
     user), point ``TRITON_CACHE_DIR`` at a new private temporary folder (removed when the
     process exits) and log a warning.
 
+    ``environ`` is the environment Triton will read (``kiln serve`` passes ``os.environ``).
     Returns the cache folder in use (None when ``TRITON_CACHE_DIR`` is unset: Triton's
     default).  Call it before the first kernel compiles.  Never raises ``OSError`` for the
     configured folder; only creating the fallback under the temp dir can.

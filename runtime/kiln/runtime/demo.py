@@ -4,7 +4,6 @@ stop the server."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -40,8 +39,8 @@ def main() -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     print(f"[demo] starting kiln serve on {base} (embedded default: builtin:smollm2-135m-instruct)", flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "serve", "--host", "127.0.0.1",
-                             "--port", str(port)], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "kiln.runtime.cli", "serve", "--host", "127.0.0.1",
+                             "--port", str(port)])
     try:
         t0 = time.monotonic()
         wait_ready(base, proc)
