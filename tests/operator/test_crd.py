@@ -108,3 +108,59 @@ def test_quantize_lm_head_is_admitted_with_int4():
     obj, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
                          "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "fp8"}}})
     assert errors == [] and obj["spec"]["build"]["quantizeLmHead"] is False  # the default
+
+
+def _described_default(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def test_every_default_is_in_its_description():
+    """`kubectl explain` prints descriptions, not `default:`: each default is written there."""
+    checked = 0
+    for path, s in walk(version_schema()):
+        if "default" in s and s["default"] != {}:
+            assert f"Default: {_described_default(s['default'])}." in s["description"], path
+            checked += 1
+    assert checked >= 30
+
+
+def _ie(spec):
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
+            "spec": {"model": {"builtin": "smollm2-135m-instruct"}, **spec}}
+
+
+def test_smoothquant_alpha_is_a_number_and_hashes_as_before():
+    from kiln.common.enginespec import BuildSpec
+
+    defaulted, errors = admit(_ie({"build": {"quantization": "int8-smoothquant"}}))
+    assert errors == [] and defaulted["spec"]["build"]["smoothquantAlpha"] == 0.5
+    for bad in ("0.5", "500m", 1.5, -0.1):
+        _, errors = admit(_ie({"build": {"quantization": "int8-smoothquant", "smoothquantAlpha": bad}}))
+        assert errors and "smoothquantAlpha" in errors[0], bad
+    written, errors = admit(_ie({"build": {"quantization": "int8-smoothquant", "smoothquantAlpha": 0.50}}))
+    assert errors == []
+    # The hashed form stays the canonical decimal string, so engines built when the field was a
+    # quantity string ("0.5", "500m") keep their hash, and `kiln build --smoothquant-alpha 0.5` agrees.
+    h = engine_hash(defaulted["spec"])
+    assert engine_hash(written["spec"]) == h
+    for old in ("0.5", "500m", "0.50"):
+        assert engine_hash({**defaulted["spec"], "build": {**defaulted["spec"]["build"], "smoothquantAlpha": old}}) == h
+    cli = BuildSpec.from_cli("builtin:smollm2-135m-instruct", quantization="int8-smoothquant", smoothquant_alpha="0.5")
+    assert cli.hash() == h and cli.to_dict()["quantization"]["alpha"] == "0.5"
+    other, _ = admit(_ie({"build": {"quantization": "int8-smoothquant", "smoothquantAlpha": 0.75}}))
+    assert engine_hash(other["spec"]) != h
+
+
+def test_max_replicas_defaults_to_at_least_min_replicas():
+    """No CRD default for maxReplicas: a fixed 4 would refuse `minReplicas: 6` alone."""
+    from kiln.operator.spec import parse_spec
+
+    obj, errors = admit(_ie({"autoscaling": {"mode": "builtin", "minReplicas": 6}}))
+    assert errors == [] and "maxReplicas" not in obj["spec"]["autoscaling"]
+    assert parse_spec(obj["spec"]).autoscaling.max_replicas == 6
+    obj, _ = admit(_ie({"autoscaling": {"mode": "builtin"}}))
+    assert parse_spec(obj["spec"]).autoscaling.max_replicas == 4

@@ -61,7 +61,7 @@ MODEL_SOURCE_KINDS = ("builtin", "path", "pvc", "huggingFace")
 BUILD_DEFAULTS: dict[str, Any] = {
     "quantization": "none",
     "groupSize": 128,
-    "smoothquantAlpha": "0.5",
+    "smoothquantAlpha": 0.5,  # a number in the CRD; hashed as the canonical decimal string "0.5"
     "kvCacheDtype": "auto",
     "calibrationSamples": 128,
     "quantizeLmHead": False,
