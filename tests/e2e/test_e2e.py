@@ -51,15 +51,32 @@ def replicas(stack, ns, name) -> tuple[int, int]:
     return int(d["spec"].get("replicas") or 0), int((d.get("status") or {}).get("readyReplicas") or 0)
 
 
+def operator_in_cluster(stack) -> dict:
+    """The chart's operator pod, asserted to be what acts: Ready on the process node, holding
+    the leader Lease, authenticated by its projected ServiceAccount token; no local operator."""
+    pod = stack.operator_pod(ready=True)
+    assert pod is not None and pod["spec"]["nodeName"] == stack.node_name
+    assert stack.operator is None and not (Path(stack.plane.dir) / "operator.log").exists()
+    holder = stack.kubectl("get", "lease", "kiln", "-n", "kiln-system", "-o", "jsonpath={.spec.holderIdentity}")
+    assert holder == pod["metadata"]["name"]
+    mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts
+    return pod
+
+
 # --- (a) + (c): apply -> Ready -> answer; delete -> children gone, engine cached; re-apply ----
 
 def test_apply_ready_answer_delete_reapply(stack, ns, measure):
+    """examples/smollm2.yaml through the operator that a default `helm install` runs in the cluster."""
     ie = example()
     name = ie["metadata"]["name"]
+    pod = operator_in_cluster(stack)
     t0 = time.monotonic()
     stack.apply_file(EXAMPLE, ns)
     uncached = stack.wait_ready(name, ns)
     measure("apply -> Ready, engine uncached", uncached, quantization=ie["spec"]["build"]["quantization"])
+    assert f"{ns}/{name}" in stack.operator_log().read_text()  # the in-cluster operator did it
+    assert operator_in_cluster(stack)["metadata"]["uid"] == pod["metadata"]["uid"]  # the same pod throughout
     st = stack.engine(name, ns)["status"]
     assert st["build"]["state"] == "Succeeded"
     h = st["engineHash"]

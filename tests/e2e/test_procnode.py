@@ -181,3 +181,57 @@ def test_loopback_pod_ips_fallback(stack, ns):
         stack.wait_for("pods gone", lambda: not stack.pods(ns), stall=60, interval=0.3, ns=ns)
     finally:
         node.stop()
+
+
+IN_CLUSTER_CLIENT = """
+import os, socket
+from kubernetes import client, config
+s = socket.socket()
+s.bind(("0.0.0.0", 0))
+print("bound", s.getsockname()[0], flush=True)
+config.load_incluster_config()
+ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
+pod = client.CoreV1Api().read_namespaced_pod(os.environ['HOSTNAME'], ns)
+print("read own pod", pod.metadata.name, "as", pod.spec.service_account_name, flush=True)
+try:
+    client.CoreV1Api().list_namespaced_secret(ns)
+    print("listed secrets", flush=True)
+except client.ApiException as e:
+    print("secrets refused", e.status, flush=True)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.cluster
+def test_service_account_token_in_cluster_client_and_wildcard_bind(stack, ns):
+    """A pod finds its ServiceAccount's projected token where in-cluster clients look (its own
+    mount namespace; the host has no token there), authenticates with it and gets exactly the
+    account's rights; a wildcard bind() listens on the pod IP, as in a pod's own network."""
+    assert stack.node is None or stack.node.mount_namespaces  # this machine can make mount namespaces
+    assert not Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists()
+    stack.apply_obj({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader"}}, ns)
+    stack.apply_obj({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "pods"},
+                     "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}, ns)
+    stack.apply_obj({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                     "metadata": {"name": "reader-pods"},
+                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+                     "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}]}, ns)
+    j = job("client", IN_CLUSTER_CLIENT)
+    j["spec"]["template"]["spec"]["serviceAccountName"] = "reader"
+    stack.apply_obj(j, ns)
+    assert stack.wait_for("the client job ends", lambda: job_condition(stack, ns, "client"), ns=ns) == "Complete"
+    pod = stack.pods(ns, "job-name=client")[0]
+    # The ServiceAccount admission plugin added the projected volume; the node filled it.
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    api_access = next(n for n in vols if n.startswith("kube-api-access-"))
+    assert {"serviceAccountToken", "configMap", "downwardAPI"} <= {k for s in vols[api_access]["projected"]["sources"]
+                                                                   for k in s}
+    out = pod_log_path(stack.state_dir, ns, pod["metadata"]["name"], "main").read_text()
+    assert f"bound {pod['status']['podIP']}" in out
+    assert f"read own pod {pod['metadata']['name']} as reader" in out
+    assert "secrets refused 403" in out
+    token = next((stack.state_dir / "pods").glob(f"{ns}_{pod['metadata']['name']}_*/volumes/{api_access}/token"))
+    payload = token.read_text().split(".")[1]
+    claims = json.loads(__import__("base64").urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert claims["sub"] == f"system:serviceaccount:{ns}:reader"
+    assert claims["kubernetes.io"]["pod"]["name"] == pod["metadata"]["name"]  # bound to the pod

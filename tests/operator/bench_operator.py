@@ -2,10 +2,13 @@
 
     .venv/bin/python tests/operator/bench_operator.py [--count 200] [--total 500] [--plane dev]
 
-1. N InferenceEngines (one `kubectl apply` of a List) at once: time until every one has its
-   first children (status with the engine hash, Service, build Job) and until every one has
-   its Deployment (kwok completes the build Jobs; the first success records the shared engine).
+1. N InferenceEngines created at once (16 client threads): time until every one has a status
+   (phase and engine hash), until every one also has its Service and the shared build Job
+   exists, and until every one has its Deployment (kwok completes the one build Job; its
+   success records the shared engine).
 2. Grow to TOTAL resources and read the operator process's memory (VmRSS, VmHWM).
+
+The operator's CPU time (user + system, from /proc/<pid>/stat) is read at each step.
 
 The operator runs as a separate process (`kiln operator`, admin credentials, one namespace) so
 its memory is its own.
@@ -55,6 +58,12 @@ def rss_mb(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--count", type=int, default=200)
@@ -84,26 +93,37 @@ def main() -> int:
     try:
         time.sleep(3)
         results["rss_idle_mb"] = round(rss_mb(op.pid)[0], 1)
+        cpu0 = cpu_s(op.pid)
+        results["cpu_start_s"] = round(cpu0, 2)
         names = [f"e{i:04d}" for i in range(a.count)]
         t0 = time.monotonic()
         create_all(kube, ns, [ie(n, 1) for n in names])
         results["create_s"] = round(time.monotonic() - t0, 2)
-        first = deployed = None
+        status = first = deployed = None
         while time.monotonic() - t0 < 600:
             ies = kube.list("kiln.dev/v1alpha1", "InferenceEngine", ns)
-            svcs = {s["metadata"]["name"] for s in kube.list("v1", "Service", ns)}
-            jobs = {j["metadata"]["labels"].get("kiln.dev/engine") for j in kube.list("batch/v1", "Job", ns)}
-            deps = {d["metadata"]["name"] for d in kube.list("apps/v1", "Deployment", ns)}
-            with_status = {x["metadata"]["name"] for x in ies if x.get("status", {}).get("engineHash")}
-            if first is None and all(n in with_status and n in svcs and (n in jobs or n in deps) for n in names):
-                first = time.monotonic() - t0
-            if first is not None and all(n in deps for n in names):
-                deployed = time.monotonic() - t0
-                break
+            with_status = {x["metadata"]["name"] for x in ies
+                           if (x.get("status") or {}).get("engineHash") and (x.get("status") or {}).get("phase")}
+            if status is None and all(n in with_status for n in names):
+                status = time.monotonic() - t0
+            if status is not None and first is None:
+                svcs = {s["metadata"]["name"] for s in kube.list("v1", "Service", ns)}
+                jobs = kube.list("batch/v1", "Job", ns)
+                deps0 = {d["metadata"]["name"] for d in kube.list("apps/v1", "Deployment", ns)}
+                if all(n in svcs for n in names) and (jobs or all(n in deps0 for n in names)):
+                    first = time.monotonic() - t0
+                    results["build_jobs"] = len(jobs)
+            if first is not None:
+                deps = {d["metadata"]["name"] for d in kube.list("apps/v1", "Deployment", ns)}
+                if all(n in deps for n in names):
+                    deployed = time.monotonic() - t0
+                    break
             time.sleep(0.5)
+        results["all_with_status_s"] = round(status, 1) if status else None
         results["all_first_children_s"] = round(first, 1) if first else None
         results["all_deployments_s"] = round(deployed, 1) if deployed else None
         results["rss_after_count_mb"] = round(rss_mb(op.pid)[0], 1)
+        results["cpu_for_count_s"] = round(cpu_s(op.pid) - cpu0, 2)
         # grow to TOTAL (replicas 0: the operator's memory does not depend on pods it never watches)
         more = [f"f{i:04d}" for i in range(a.total - a.count)]
         if more:
@@ -115,10 +135,13 @@ def main() -> int:
                     break
                 time.sleep(1)
             results["grow_to_total_s"] = round(time.monotonic() - t1, 1)
+            cpu1 = cpu_s(op.pid)
             time.sleep(65)  # one full resync of every resource
+            results["cpu_one_resync_of_total_s"] = round(cpu_s(op.pid) - cpu1, 2)
         rss, hwm = rss_mb(op.pid)
         results["rss_total_mb"] = round(rss, 1)
         results["peak_rss_mb"] = round(hwm, 1)
+        results["cpu_total_s"] = round(cpu_s(op.pid) - cpu0, 2)
     finally:
         op.terminate()
         op.wait(30)

@@ -5,8 +5,8 @@
 
 Without KUBECONFIG (or with KUBECONFIG pointing at a test plane) it builds or reuses the test
 control plane's binaries, starts plane "demo" with one process-backed node (pods run as local
-processes), `helm install`s helm/kiln, runs the operator locally as the chart's
-ServiceAccount, applies the example, prints progress until Ready, asks the question through
+processes), `helm install`s helm/kiln with its default values (the chart's operator pod runs on
+that node with its ServiceAccount's projected token, as in any cluster), applies the example, prints progress until Ready, asks the question through
 a local proxy to the Service's ready endpoints, and leaves everything running for you to play
 with (`--down` tears it down at the end instead).  A second run reuses the running plane and
 the built engine.
@@ -91,16 +91,18 @@ def on_plane(a: argparse.Namespace) -> int:
         ok = "paris" in answer.lower()
         if not a.down:
             print(f"""
-Still running: plane {a.plane!r}, node proc-0 (pods are local processes), the operator.
+Still running: plane {a.plane!r}, node proc-0 (pods are local processes), the operator pod in kiln-system.
     export KUBECONFIG={stack.plane.kubeconfig}
     {stack.plane.kubectl_bin} get ie,pods,jobs,svc -n {a.namespace}
+    {stack.plane.kubectl_bin} logs -n kiln-system deploy/kiln -c operator   # the operator's log
     .venv/bin/python -m kiln.devcluster.procnode logs {a.namespace} <pod> --plane {a.plane}   # pod logs
 Tear down (stops the plane, the node's processes and the operator, removes the node's volumes):
     make demo-down   # or: .venv/bin/python -m kiln.devcluster.demo --down-only --plane {a.plane}
 """, flush=True)
         return 0 if ok else 2
     except BaseException:
-        say(f"failed; logs under {stack.plane.dir} (operator.log, procnode.log, procnode/proc-0/pods/)")
+        say(f"failed; logs under {stack.plane.dir} (procnode.log, procnode/proc-0/pods/: the operator's is "
+            f"{stack.operator_log()})")
         raise
     finally:
         for p in stack.proxies:

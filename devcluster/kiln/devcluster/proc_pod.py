@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -25,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.devcluster import procs
 from kiln.devcluster.paths import VENV_BIN
+from kiln.devcluster.proc_volumes import TokenRefresher, mountns_argv, namespace_mounts, write_projected
+
+POD_SITE = Path(__file__).with_name("pod_site")  # put first on the PYTHONPATH of pods' processes
 
 if TYPE_CHECKING:
     from kiln.devcluster.procnode import ProcNode
@@ -200,6 +204,8 @@ class PodRunner(threading.Thread):
         self.start_time = now_iso()
         self.last_status: dict | None = None
         self.cond_times: dict[str, tuple[str, str]] = {}
+        self.tokens = TokenRefresher()
+        self.volume_error: str | None = None  # why a volume cannot be set up yet (retried)
 
     # -- inputs from the node loop --
     def update(self, pod: dict | None) -> None:
@@ -229,11 +235,19 @@ class PodRunner(threading.Thread):
         if "configMap" in vol or "secret" in vol:
             self._write_keys(vol, vdir)
         elif "projected" in vol:
+            # As the kubelet: a source that cannot be written (no ServiceAccount yet, the
+            # namespace's kube-root-ca.crt not published yet) keeps the pod waiting, retried.
             for src in vol["projected"].get("sources") or []:
                 try:
-                    self._write_projected(src, vdir)
-                except Exception as e:  # noqa: BLE001 - best effort (the SA token of a pod)
-                    log.debug("projected source %s of %s: %s", src, self.pname, e)
+                    due = write_projected(self.api, self.pod, src, vdir, self._field)
+                except Exception as e:  # noqa: BLE001
+                    msg = f"MountVolume.SetUp failed for volume {name!r}: {_api_reason(e)}"
+                    if msg != self.volume_error:
+                        log.warning("%s/%s: %s", self.ns, self.pname, msg)
+                    self.volume_error = msg
+                    return None
+                if due is not None:
+                    self.tokens.add(due, src, vdir)
         return str(vdir)
 
     def _write_keys(self, vol: dict, vdir: Path) -> None:
@@ -246,22 +260,6 @@ class PodRunner(threading.Thread):
         for k, v in data.items():
             (vdir / k).write_bytes(v)
 
-    def _write_projected(self, src: dict, vdir: Path) -> None:
-        if "serviceAccountToken" in src:
-            sa = self.pod["spec"].get("serviceAccountName") or "default"
-            tr = self.api.create_namespaced_service_account_token(sa, self.ns, {
-                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "spec": {"expirationSeconds": int(src["serviceAccountToken"].get("expirationSeconds", 3600))}})
-            (vdir / src["serviceAccountToken"].get("path", "token")).write_text(tr.status.token)
-        elif "configMap" in src:
-            cm = self.api.read_namespaced_config_map(src["configMap"]["name"], self.ns)
-            for item in src["configMap"].get("items") or [{"key": k, "path": k} for k in cm.data or {}]:
-                (vdir / item["path"]).write_text((cm.data or {}).get(item["key"], ""))
-        elif "downwardAPI" in src:
-            for item in src["downwardAPI"].get("items") or []:
-                fp = (item.get("fieldRef") or {}).get("fieldPath", "")
-                (vdir / item["path"]).write_text(self._field(fp))
-
     def _field(self, path: str) -> str:
         meta = self.pod["metadata"]
         return {"metadata.name": self.pname, "metadata.namespace": self.ns, "metadata.uid": self.uid,
@@ -270,14 +268,17 @@ class PodRunner(threading.Thread):
                 }.get(path) or (meta.get("labels") or {}).get(path[len("metadata.labels['"):-2], "")
 
     def _prepare(self) -> bool:
-        """Maps the pod's volumes; False while a claim is not bound yet."""
+        """Maps the pod's volumes; False while a claim is not bound yet or a projected source
+        cannot be written yet."""
         by_name: dict[str, str] = {}
+        self.tokens = TokenRefresher()
         for vol in self.pod["spec"].get("volumes") or []:
             d = self._volume_dir(vol)
             if d is None:
                 return False
             by_name[vol["name"]] = d
         self._vols = by_name
+        self.volume_error = None
         return True
 
     def _mounts(self, c: dict) -> list[tuple[str, str]]:
@@ -292,10 +293,15 @@ class PodRunner(threading.Thread):
 
     # -- processes --
     def _env(self, c: dict, mounts: list[tuple[str, str]]) -> dict[str, str]:
+        # KUBERNETES_SERVICE_HOST/PORT: what the kubelet sets from the `kubernetes` Service; here
+        # the API server itself (pods share the host's network).  KILN_PROCNODE_POD_IP and the
+        # PYTHONPATH entry: pod_site/sitecustomize.py binds wildcard listeners to the pod IP.
         env = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "HOSTNAME": self.pname, "HOME": str(self.dir / "home"), "LANG": "C.UTF-8",
                "PYTHONUNBUFFERED": "1", "KUBERNETES_SERVICE_HOST": "127.0.0.1",
-               "KUBERNETES_SERVICE_PORT": str(self.node.apiserver_port)}
+               "KUBERNETES_SERVICE_PORT": str(self.node.apiserver_port),
+               "KUBERNETES_SERVICE_PORT_HTTPS": str(self.node.apiserver_port),
+               "KILN_PROCNODE_POD_IP": self.ip, "PYTHONPATH": str(POD_SITE)}
         if self.node.model_cache:
             env["KILN_CACHE_DIR"] = self.node.model_cache
         env.update(self.node.extra_env)
@@ -319,7 +325,10 @@ class PodRunner(threading.Thread):
                 except Exception:  # noqa: BLE001
                     if not (vf.get("secretKeyRef") or vf.get("configMapKeyRef") or {}).get("optional"):
                         raise
-        return {**base, **{k: map_value(v, mounts, self.ip) for k, v in env.items()}}
+        env = {k: map_value(v, mounts, self.ip) for k, v in env.items()}
+        if env.get("PYTHONPATH"):
+            env["PYTHONPATH"] = f"{POD_SITE}:{env['PYTHONPATH']}"
+        return {**base, **env}
 
     def _termination_file(self, cr: ContainerRun) -> Path:
         """The host file behind the container's ``terminationMessagePath``."""
@@ -360,11 +369,16 @@ class PodRunner(threading.Thread):
         if exe is None:
             raise FileNotFoundError(f"{argv[0]}: not found on {env['PATH']}")
         cwd = map_value(c["workingDir"], mounts, self.ip) if c.get("workingDir") else str(self.dir)
+        cmd = [exe, *argv[1:]]
+        ns_mounts = namespace_mounts(c, self._vols) if self.node.mount_namespaces else []
         cr.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(cr.log_path, "ab") as out:
-            out.write(f"--- {now_iso()} procnode: {shlex.join([exe, *argv[1:]])}\n".encode())
+            mounted = "".join(f" [{dst} <- {host}]" for host, dst, _ in ns_mounts)
+            out.write(f"--- {now_iso()} procnode: {shlex.join(cmd)}{mounted}\n".encode())
             out.flush()
-            cr.proc = procs.spawn([exe, *argv[1:]], what=f"pod {self.ns}/{self.pname}: {cr.name}", bind=True,
+            # The well-known mounts (the service-account token) in the container's own mount namespace.
+            cr.proc = procs.spawn(mountns_argv(ns_mounts, cmd, sys.executable),
+                                  what=f"pod {self.ns}/{self.pname}: {cr.name}", bind=True,
                                   env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         cr.started_at = now_iso()
         cr.run_started = time.monotonic()
@@ -530,7 +544,7 @@ class PodRunner(threading.Thread):
     def _run(self) -> None:
         policy = self.pod["spec"].get("restartPolicy", "Always")
         self.containers = [ContainerRun(c, self.dir / f"{c['name']}.log") for c in self.pod["spec"]["containers"]]
-        while not self._prepare():  # a claim is not bound yet
+        while not self._prepare():  # a claim is not bound yet, a projected source not ready
             if self._deleting():
                 return self._finalize()
             self._patch({"phase": "Pending", "conditions": [self._cond("PodScheduled", True)]})
@@ -540,6 +554,7 @@ class PodRunner(threading.Thread):
         while not self._deleting() and not self.node.stopping.is_set():
             for cr in self.containers:
                 self._tick_container(cr, policy)
+            self.tokens.refresh(self.api, self.pod, lambda m: log.warning("%s/%s: %s", self.ns, self.pname, m))
             self._patch(self._status(self._phase(policy)))
             time.sleep(self.TICK)
         self._finalize()

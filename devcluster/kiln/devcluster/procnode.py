@@ -16,12 +16,20 @@ Test infrastructure, not product code.  The agent
   rewriting paths (an argument, env value or working dir equal to or under a ``mountPath``
   becomes the host folder: PVC -> its PV's folder, emptyDir -> ``<pod dir>/volumes/<name>``,
   hostPath -> itself, configMap/secret/projected -> files written there);
+- projects service-account tokens as the kubelet does (proc_volumes.py): the volume the
+  ServiceAccount admission plugin adds gets a bound token from the TokenRequest API (refreshed
+  at 80% of its lifetime), the namespace's ``kube-root-ca.crt`` as ``ca.crt`` and the namespace;
+  each container runs in its own mount namespace (``unshare --mount``; root or CAP_SYS_ADMIN)
+  where mounts under ``/var/run/secrets/`` are bind-mounted at their mountPath, and with
+  ``KUBERNETES_SERVICE_HOST/PORT`` naming the API server, so in-cluster clients (the chart's
+  operator pod) authenticate as the pod's ServiceAccount;
 - gives each pod its own IP, set as ``status.podIP``: 10.244.250.x added to the loopback
   interface as a /32 (``ip addr add``, removed when the pod ends; EndpointSlices refuse
   127.0.0.0/8, so a plain loopback IP would leave Services without endpoints; without
   CAP_NET_ADMIN it falls back to 127.0.250.x and proc_proxy.py then routes to Ready pods
   directly).  All pods share the host's network namespace, so a wildcard listen address (``0.0.0.0``) in args or env is
-  rewritten to the pod IP: two replicas can both listen on :8000;
+  rewritten to the pod IP: two replicas can both listen on :8000; Python processes also bind
+  the pod IP for a wildcard ``bind()`` (pod_site/sitecustomize.py, first on their PYTHONPATH);
 - evaluates startup, readiness and liveness probes for real (httpGet, tcpSocket, exec) with
   the pod's periods and thresholds; liveness or startup failure restarts the container;
 - turns exit codes into container states and the pod phase (``restartPolicy: Never`` ->
@@ -55,6 +63,7 @@ from pathlib import Path
 
 from kiln.devcluster import procs
 from kiln.devcluster.proc_pod import PodRunner, _api, map_value, now_iso, now_micro  # noqa: F401 (map_value: re-exported)
+from kiln.devcluster.proc_volumes import can_make_mount_namespaces
 
 NODE_KIND_LABEL = "kiln.dev/node-kind"
 NODE_KIND = "process"
@@ -71,7 +80,7 @@ class ProcNode:
                  gpus: int = 4, cpu: str = "32", memory: str = "256Gi", ip_subnet: int = 250,
                  apiserver_port: int = 443, share_model_cache: bool = True, max_grace_seconds: float = 30,
                  provision_volumes: bool = True, extra_env: dict[str, str] | None = None,
-                 poll_seconds: float = 0.5, loopback_ips: bool = False):
+                 poll_seconds: float = 0.5, loopback_ips: bool = False, mount_namespaces: bool | None = None):
         self.kubeconfig, self.name = kubeconfig, name
         self.state_dir = Path(state_dir or Path(kubeconfig).parent / "procnode" / name)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +95,11 @@ class ProcNode:
         self.provision_volumes = provision_volumes
         self.extra_env = dict(extra_env or {})
         self.poll_seconds = poll_seconds
+        # None: use a private mount namespace per container when this process may make one.
+        self.mount_namespaces = can_make_mount_namespaces() if mount_namespaces is None else mount_namespaces
+        if not self.mount_namespaces:
+            log.warning("no mount namespaces (needs root or CAP_SYS_ADMIN): pods will not find their "
+                        "service-account token at /var/run/secrets/kubernetes.io/serviceaccount")
         self.stopping = threading.Event()
         self.kubelet_port = 0
         self._log_srv = None

@@ -1,14 +1,15 @@
 """The whole Kiln stack on the test plane, for the demo (demo.py) and tests/e2e:
 
     plane (no kwok GPU nodes) + one process-backed node (procnode.py)
-    + `helm install` of helm/kiln (replicaCount=0: no operator pod)
-    + `kiln operator` as a local process with the chart's ServiceAccount token
-      (so the chart's RBAC is what the operator really gets)
-    + a local proxy per Service (proc_proxy.py) to reach the pods' loopback IPs.
+    + `helm install` of helm/kiln: the chart's operator Deployment runs its pod on the node,
+      authenticated by its projected ServiceAccount token, as on a real cluster
+      (``in_cluster=False``: replicaCount=0 and `kiln operator` as a local process with a
+      token of the chart's ServiceAccount, so the chart's RBAC still is what it gets)
+    + a local proxy per Service (proc_proxy.py) to reach the pods' IPs.
 
 Everything it starts is stopped by ``down()`` (and, for tests, ends with the test process:
-procs.py); logs are under the plane folder:
-``operator.log``, ``procnode/<node>/pods/<ns>_<pod>_<uid8>/<container>.log``.
+procs.py); logs are under the plane folder: ``procnode/<node>/pods/<ns>_<pod>_<uid8>/<container>.log``
+(the operator's: ``kiln-system_kiln-*/operator.log``; a local operator's: ``operator.log``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kiln.devcluster.wait import log_lines, log_sizes, wait_for
 RELEASE = "kiln"
 RELEASE_NS = "kiln-system"
 SA = "kiln"  # the chart's ServiceAccount for release "kiln"
+OPERATOR_PODS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
 KILN = str(VENV_BIN / "kiln")
 
 
@@ -44,16 +46,21 @@ class Stack:
     """``detached=False`` (tests): the node runs in this process, the operator as its child;
     ``detached=True`` (the demo): both run as background processes that outlive this one
     (pids in ``<plane>/stack-pids.json``; ``down()`` or ``Stack(name).down()`` stops them).
-    ``bind_plane=True``: the plane's processes end with this process too (a test's private plane)."""
+    ``bind_plane=True``: the plane's processes end with this process too (a test's private plane).
+    ``in_cluster=True``: the chart's operator pod runs on the node (``helm_values``: ``--set``
+    pairs for the install); False: a local operator process with ``operator_args`` added."""
 
     def __init__(self, plane_name: str = "demo", node_name: str = "proc-0", operator_args: list[str] | None = None,
-                 log: Callable[[str], None] = say, detached: bool = False, bind_plane: bool = False):
+                 log: Callable[[str], None] = say, detached: bool = False, bind_plane: bool = False,
+                 in_cluster: bool = True, helm_values: dict[str, str] | None = None):
         self.plane = Plane(plane_name, num_gpu_nodes=0, gpus_per_node=4, bind=bind_plane)
         self.node_name = node_name
         self.detached = detached
         self.pids_file = Path(self.plane.dir) / "stack-pids.json"
         self.state_dir = Path(self.plane.dir) / "procnode" / node_name
         self.operator_args = operator_args or []
+        self.in_cluster = in_cluster
+        self.helm_values = dict(helm_values or {})
         self.log = log
         self.node: ProcNode | None = None
         self.operator: subprocess.Popen | None = None
@@ -76,7 +83,13 @@ class Stack:
             self.node = ProcNode(self.plane.kubeconfig, self.node_name, gpus=4,
                                  apiserver_port=self.plane.state["ports"]["apiserver"]).start()
         self.log(f"process-backed node {self.node_name} Ready (pod logs: {self.state_dir}/pods/)")
-        if self._running("operator") is None:
+        if self.in_cluster:
+            if self.operator_pod(ready=True) is None:
+                self.helm_install()
+            else:
+                self.log("chart installed and operator pod Ready (reused)")
+            self.wait_operator()
+        elif self._running("operator") is None:
             self.helm_install()
             self.start_operator()
         else:
@@ -130,14 +143,59 @@ class Stack:
         return self.plane.kubectl(*args, input=input, check=check)
 
     def helm_install(self) -> None:
-        self.log("helm install kiln helm/kiln (namespace kiln-system; the operator runs locally: replicaCount=0)")
+        """`helm upgrade --install` of helm/kiln; in-cluster it returns once the objects exist
+        (``wait_operator`` waits for the pod, giving up on a stall rather than a deadline)."""
+        values = dict(self.helm_values) if self.in_cluster else {**self.helm_values, "replicaCount": "0"}
+        sets = [x for k, v in values.items() for x in ("--set", f"{k}={v}")]
+        where = "the operator runs in the cluster" if self.in_cluster else "the operator runs locally: replicaCount=0"
+        self.log(f"helm install kiln helm/kiln -n {RELEASE_NS} {' '.join(sets)} ({where})".replace("  ", " "))
+        wait = [] if self.in_cluster else ["--wait", "--timeout", "120s"]
         r = subprocess.run([self.plane.helm_bin, "upgrade", "--install", RELEASE, str(REPO / "helm" / "kiln"),
                             "--namespace", RELEASE_NS, "--create-namespace", "--kubeconfig", self.plane.kubeconfig,
-                            "--set", "replicaCount=0", "--wait", "--timeout", "120s"],
-                           capture_output=True, text=True, env=self.plane.env(), timeout=180)
+                            *sets, *wait], capture_output=True, text=True, env=self.plane.env(), timeout=180)
         if r.returncode != 0:
             raise RuntimeError(f"helm install failed:\n{r.stdout}\n{r.stderr}")
         self.kubectl("wait", "--for=condition=Established", "crd/inferenceengines.kiln.dev", "--timeout=60s")
+
+    def operator_pod(self, ready: bool = False) -> dict | None:
+        """The chart's operator pod on this plane (the newest; only a Ready one with ``ready``)."""
+        out = self.kubectl("get", "pods", "-n", RELEASE_NS, "-l", OPERATOR_PODS, "-o", "json", check=False)
+        pods = json.loads(out)["items"] if out.strip().startswith("{") else []
+        pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+                and (not ready or self._pod_state(p) == "Running/Ready")]
+        return max(pods, key=lambda p: p["metadata"]["creationTimestamp"]) if pods else None
+
+    def wait_operator(self, stall: float = 120) -> dict:
+        """Waits until the operator pod is Ready and holds the leader Lease; returns the pod."""
+        def leading() -> dict | None:
+            pod = self.operator_pod(ready=True)
+            if pod is None:
+                return None
+            lease = self.kubectl("get", "lease", RELEASE, "-n", RELEASE_NS, "-o",
+                                 "jsonpath={.spec.holderIdentity}", "--ignore-not-found", check=False)
+            return pod if lease.strip() == pod["metadata"]["name"] else None
+
+        try:
+            pod = self.wait_for("the operator pod Ready and leading", leading, stall=stall, ns=RELEASE_NS)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{self.operator_log_tail()}") from None
+        self.log(f"operator pod {RELEASE_NS}/{pod['metadata']['name']} Ready and leading, as ServiceAccount "
+                 f"{RELEASE_NS}/{pod['spec'].get('serviceAccountName')} (log {self.operator_log()})")
+        return pod
+
+    def operator_log(self) -> Path | None:
+        """The operator's log file: its pod's container log in-cluster, else operator.log."""
+        if not self.in_cluster:
+            return Path(self.plane.dir) / "operator.log"
+        found = sorted(self.state_dir.glob(f"pods/{RELEASE_NS}_{RELEASE}-*/operator.log"),
+                       key=lambda p: p.stat().st_mtime)
+        return found[-1] if found else None
+
+    def operator_log_tail(self, tail: int = 3000) -> str:
+        op = self.operator_log()
+        if op is None or not op.exists():
+            return "(no operator log)"
+        return f"--- {op}\n{op.read_text(errors='replace')[-tail:]}"
 
     def sa_kubeconfig(self) -> str:
         """A kubeconfig with the chart ServiceAccount's token (what the operator pod would get)."""
@@ -279,9 +337,7 @@ class Stack:
             path = pod_log_path(self.state_dir, ns, p["metadata"]["name"])
             if path is not None:
                 out.append(f"--- {path}\n{path.read_text(errors='replace')[-tail:]}")
-        op = Path(self.plane.dir) / "operator.log"
-        if op.exists():
-            out.append(f"--- {op}\n{op.read_text(errors='replace')[-tail:]}")
+        out.append(self.operator_log_tail(tail))
         return "\n".join(out)
 
     def proxy(self, service: str, ns: str) -> ServiceProxy:
