@@ -204,6 +204,21 @@ def test_chart_installs_crd_rbac_and_operator(plane, admin, release):
         assert plane.kubectl(*args, check=False).strip() == want, (verb, what, ns_)
 
 
+def test_kubectl_explain_shows_defaults_and_smoothquant_alpha_is_a_number(plane, release, ns):
+    """`kubectl explain` prints the description, not the schema's `default:`; each says its default."""
+    for field, want in (("spec.build.groupSize", "Default: 128."), ("spec.build.smoothquantAlpha", "Default: 0.5."),
+                        ("spec.autoscaling.maxReplicas", "Default: the larger of 4 and"),
+                        ("spec.storage.accessModes", "Default: [ReadWriteOnce].")):
+        out = " ".join(plane.kubectl("explain", f"inferenceengines.{field}").split())
+        assert want in out, (field, out)
+    assert "<number>" in plane.kubectl("explain", "inferenceengines.spec.build.smoothquantAlpha")
+    obj = load("smollm2.yaml")
+    obj["spec"]["build"] = {"quantization": "int8-smoothquant", "smoothquantAlpha": "500m"}
+    r = subprocess.run([plane.kubectl_bin, "--kubeconfig", plane.kubeconfig, "apply", "-n", ns, "--dry-run=server",
+                        "-f", "-"], input=json.dumps(obj), capture_output=True, text=True)
+    assert r.returncode != 0 and "smoothquantAlpha" in r.stderr, r.stderr
+
+
 def test_invalid_examples_are_rejected_with_the_cel_message(plane, ns):
     for path in sorted((ROOT / "examples/invalid").glob("*.yaml")):
         text = path.read_text()
