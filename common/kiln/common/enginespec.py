@@ -71,13 +71,11 @@ BUILD_DEFAULTS: dict[str, Any] = {
     "maxNumTokens": 8192,
 }
 
-# The shipped default calibration data (kiln/runtime/data/calibration_mix.jsonl): its sha256
-# is part of every calibrating engine's hash (a test holds it equal to the file's bytes), so
-# a change of the default data is a new engine.
+# sha256 of the shipped default calibration data (kiln/runtime/data/calibration_mix.jsonl), in
+# every calibrating engine's hash: new default data, new engines (a test checks the file).
 DEFAULT_CALIBRATION_SHA256 = "sha256:d49fc5083f4ab169a2ab5f8e5301831f37881a1f90cc12ab0ce861a1d827f3e3"
 CALIBRATION_MOUNT = "/calibration"  # where a build Job mounts the claim of build.calibration
 _SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-
 _QUANTITY_RE = re.compile(r"^([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
 _SUFFIX = {
     None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6),
@@ -249,17 +247,11 @@ class ModelRef:
 
 @dataclass(frozen=True)
 class CalibrationRef:
-    """Calibration data other than the shipped default; the hash names it by its bytes only
-    (``checksum``), so the same data gives the same engine wherever it lives.
-
-    Fields:
-        kind: ``path`` (a local file, ``kiln build --calibration-data``) or ``pvc`` (a file on a
-            PersistentVolumeClaim, ``build.calibration.pvc`` of an InferenceEngine).
-        path: the file: as given for ``path``, relative to the claim for ``pvc``.
-        checksum: ``sha256:<hex>`` of the file's bytes (computed by ``kiln build``; required
-            in an InferenceEngine, whose operator cannot read the claim).
-        claim_name: the claim, kind ``pvc`` only.
-    """
+    """Calibration data other than the shipped default, hashed by its bytes only (``checksum``):
+    the same data gives the same engine wherever it lives.  ``kind``: ``path`` (a local file,
+    ``kiln build --calibration-data``) or ``pvc`` (``build.calibration.pvc``: ``path`` relative
+    to the claim ``claim_name``); ``checksum``: ``sha256:<hex>`` of the file (computed by
+    ``kiln build``; required in an InferenceEngine, whose operator cannot read the claim)."""
 
     kind: str
     path: str
@@ -276,28 +268,24 @@ class CalibrationRef:
     def from_dict(cls, cal: Any) -> "CalibrationRef | None":
         """Parse an InferenceEngine ``spec.build.calibration`` (``pvc: {claimName, path}`` and
         ``checksum``); ``None`` or ``{}`` means the shipped default.  Raises ``EngineSpecError``."""
-        if cal in (None, {}):
-            return None
-        if not isinstance(cal, Mapping):
+        if not cal or not isinstance(cal, Mapping):
+            if cal in (None, {}):
+                return None
             raise EngineSpecError("build.calibration: expected an object")
-        unknown = sorted(set(cal) - {"pvc", "checksum"})
-        if unknown:
-            raise EngineSpecError(f"build.calibration: unknown field(s) {', '.join(unknown)}; "
-                                  "expected pvc (claimName, path) and checksum")
+        if set(cal) - {"pvc", "checksum"}:
+            raise EngineSpecError(f"build.calibration: unknown field(s) {', '.join(sorted(set(cal) - {'pvc', 'checksum'}))}")
         pvc = cal.get("pvc")
         if not isinstance(pvc, Mapping) or not pvc.get("claimName") or not pvc.get("path"):
             raise EngineSpecError("build.calibration.pvc: claimName and path are required")
         if not cal.get("checksum"):
             raise EngineSpecError("build.calibration.checksum: required (sha256:<hex> of the file): the engine "
                                   "hash names the calibration data, which the operator cannot read")
-        path = os.path.normpath(str(pvc["path"])).lstrip("/")
-        if path in ("", ".") or path.startswith(".."):
+        if (path := os.path.normpath(str(pvc["path"])).lstrip("/")) in ("", ".") or path.startswith(".."):
             raise EngineSpecError(f"build.calibration.pvc.path: {pvc['path']!r} is not a file path inside the claim")
         return cls(kind="pvc", path=path, checksum=cal["checksum"], claim_name=str(pvc["claimName"]))
 
     def to_cli(self, mount: str = CALIBRATION_MOUNT) -> str:
-        """The ``--calibration-data FILE`` argument (a ``pvc`` file is read where the claim is
-        mounted)."""
+        """The ``--calibration-data FILE`` argument (a ``pvc`` file: where its claim is mounted)."""
         return os.path.join(mount, self.path) if self.kind == "pvc" else self.path
 
 
@@ -318,8 +306,7 @@ class BuildSpec:
         max_seq_len: longest sequence in tokens the engine is built for.
         max_batch_size: most sequences in one batch.
         max_num_tokens: most tokens in one forward pass (prefill chunk budget).
-        calibration: the calibration data; None: the shipped default mixture.  Hashed (by
-            checksum) only when the build calibrates.
+        calibration: the calibration data (None: the shipped mixture); hashed when calibrating.
         format_version: ``ENGINE_FORMAT_VERSION``.
     """
 
@@ -446,18 +433,15 @@ class BuildSpec:
                        "max_num_tokens": self.max_num_tokens},
         }
         if self.calibrates:  # the data's bytes, not where they live: different data, different engine
-            d["calibration_data"] = {"sha256": self.calibration.checksum if self.calibration
-                                     else DEFAULT_CALIBRATION_SHA256}
+            d["calibration_data"] = {"sha256": self.calibration.checksum if self.calibration else DEFAULT_CALIBRATION_SHA256}
         return d
 
     def hash(self, length: int = HASH_LENGTH) -> str:
         """The engine hash: the first ``length`` hex chars of sha256(canonical JSON)."""
         return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()[:length]
 
-    def to_build_args(self, output: str, models_mount: str = "/models",
-                      calibration_mount: str = CALIBRATION_MOUNT) -> list[str]:
-        """The ``kiln build`` arguments (after ``build``) that build exactly this spec (a
-        ``pvc`` calibration file read where its claim is mounted, ``calibration_mount``)."""
+    def to_build_args(self, output: str, models_mount: str = "/models", calibration_mount: str = CALIBRATION_MOUNT) -> list[str]:
+        """The ``kiln build`` arguments (after ``build``) that build exactly this spec."""
         args = ["--model", self.source.to_cli(models_mount), "--output", output,
                 "--quantization", self.quantization]
         if self.quantization in GROUPED_METHODS:
