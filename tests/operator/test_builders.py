@@ -242,3 +242,41 @@ def test_build_scratch_and_shm_have_size_limits_and_the_termination_log_is_kept(
     dep = b.deployment(SPEC, H, OWNER, replicas=1)
     shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+
+
+def test_build_calibration_from_a_claim_is_mounted_and_gives_the_operators_hash(tmp_path):
+    """build.calibration on a claim: the Job mounts it read-only and passes --calibration-data
+    and --calibration-checksum; the real `kiln build` parser takes them, and the CLI's spec,
+    made from a file with those bytes, has the operator's hash (the hash names the bytes)."""
+    import argparse
+    import hashlib
+
+    build = pytest.importorskip("kiln.runtime.build_cli")
+    from kiln.common.enginespec import BuildSpec, CalibrationRef
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    sha = "sha256:" + hashlib.sha256(data.read_bytes()).hexdigest()
+    spec = copy.deepcopy(SPEC)
+    spec["build"] = {"quantization": "int4-gptq", "groupSize": 64,
+                     "calibration": {"pvc": {"claimName": "datasets", "path": "/cal/mine.jsonl"}, "checksum": sha}}
+    h = engine_hash(spec)
+    assert h != engine_hash({**spec, "build": {"quantization": "int4-gptq", "groupSize": 64}})  # not the default data
+    job = b.build_job(spec, h, OWNER)
+    ctr, pod = container(job), job["spec"]["template"]["spec"]
+    a = build.add_build_args(argparse.ArgumentParser()).parse_args(ctr["args"])
+    assert a.calibration_data == "/calibration/cal/mine.jsonl" and a.calibration_checksum == sha
+    assert {"name": "calibration", "mountPath": "/calibration", "readOnly": True} in ctr["volumeMounts"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["calibration"]["persistentVolumeClaim"] == {"claimName": "datasets", "readOnly": True}
+    got = BuildSpec.from_cli(a.model, quantization=a.quantization, group_size=a.group_size,
+                             calibration_samples=a.calibration_samples, max_seq_len=a.max_seq_len,
+                             max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens,
+                             calibration=CalibrationRef(kind="path", path=str(data), checksum=sha))
+    assert got.hash() == h
+    # a build that does not calibrate ignores the data: no mount, no flag, the same hash as without it
+    plain = {"model": SPEC["model"], "build": {"quantization": "none", "calibration": spec["build"]["calibration"]}}
+    job = b.build_job(plain, engine_hash(plain), OWNER)
+    assert "--calibration-data" not in container(job)["args"]
+    assert "calibration" not in {v["name"] for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert engine_hash(plain) == engine_hash({"model": SPEC["model"]})

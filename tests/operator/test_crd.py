@@ -93,6 +93,19 @@ def test_cel_rules(spec, message):
     assert any(message in e for e in errors), errors
 
 
+def test_build_calibration_needs_a_claim_file_and_its_checksum():
+    base = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"}}
+    ok = {"pvc": {"claimName": "data", "path": "cal.jsonl"}, "checksum": "sha256:" + "ab" * 32}
+    obj, errors = admit({**base, "spec": {"model": {"builtin": "smollm2-135m-instruct"},
+                                          "build": {"quantization": "fp8", "calibration": ok}}})
+    assert errors == [] and obj["spec"]["build"]["calibration"] == ok
+    for bad in ({"pvc": ok["pvc"]}, {"checksum": ok["checksum"]}, {**ok, "checksum": "md5:00"},
+                {**ok, "pvc": {"claimName": "data"}}):
+        _, errors = admit({**base, "spec": {"model": {"builtin": "smollm2-135m-instruct"},
+                                            "build": {"quantization": "fp8", "calibration": bad}}})
+        assert errors, bad
+
+
 def test_unknown_enum_is_rejected():
     _, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
                        "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int3"}}})

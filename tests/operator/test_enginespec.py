@@ -109,10 +109,37 @@ def test_normalized_form_is_canonical_json_without_floats():
     ({"model": SMOL, "build": {"kvCacheDtype": "int8"}}, "kvCacheDtype"),
     ({"model": SMOL, "build": {"quantization": "int4-awq", "quantizeLmHead": "yes"}}, "quantizeLmHead"),
     ({"model": {"pvc": {"path": "x"}}}, "claimName"),
+    ({"model": SMOL, "build": {"calibration": {"pvc": {"claimName": "d", "path": "c.txt"}}}}, "calibration.checksum: required"),
+    ({"model": SMOL, "build": {"calibration": {"pvc": {"claimName": "d", "path": "c.txt"}, "checksum": "sha256:12"}}},
+     "calibration.checksum: expected sha256"),
+    ({"model": SMOL, "build": {"calibration": {"pvc": {"claimName": "d"}, "checksum": "sha256:" + "0" * 64}}},
+     "calibration.pvc: claimName and path"),
+    ({"model": SMOL, "build": {"calibration": {"pvc": {"claimName": "d", "path": "../x"}, "checksum": "sha256:" + "0" * 64}}},
+     "not a file path inside the claim"),
+    ({"model": SMOL, "build": {"calibration": {"url": "x"}}}, "unknown field"),
 ])
 def test_invalid_specs_raise_a_clear_error(spec, word):
     with pytest.raises(es.EngineSpecError, match=word.replace("[", r"\[").replace("]", r"\]")):
         es.engine_hash(spec)
+
+
+def test_calibration_data_is_hashed_by_its_bytes_when_the_build_calibrates():
+    ref = {"pvc": {"claimName": "d", "path": "a/c.jsonl"}, "checksum": "sha256:" + "1" * 64}
+    fp8 = {"model": SMOL, "build": {"quantization": "fp8"}}
+    mine = {"model": SMOL, "build": {"quantization": "fp8", "calibration": ref}}
+    d = es.normalize_build_spec(fp8)
+    assert d["calibration_data"] == {"sha256": es.DEFAULT_CALIBRATION_SHA256}  # the shipped mixture, by content
+    assert es.normalize_build_spec(mine)["calibration_data"] == {"sha256": ref["checksum"]}
+    assert es.engine_hash(mine) != es.engine_hash(fp8)
+    moved = {"model": SMOL, "build": {"quantization": "fp8", "calibration": {**ref, "pvc": {"claimName": "e", "path": "b.jsonl"}}}}
+    assert es.engine_hash(moved) == es.engine_hash(mine)  # the same bytes elsewhere: the same engine
+    other = {"model": SMOL, "build": {"quantization": "fp8", "calibration": {**ref, "checksum": "sha256:" + "2" * 64}}}
+    assert es.engine_hash(other) != es.engine_hash(mine)
+    kv = {"model": SMOL, "build": {"kvCacheDtype": "fp8", "calibration": ref}}
+    assert es.engine_hash(kv) != es.engine_hash({"model": SMOL, "build": {"kvCacheDtype": "fp8"}})
+    none = {"model": SMOL, "build": {"calibration": ref}}
+    assert "calibration_data" not in es.normalize_build_spec(none)
+    assert es.engine_hash(none) == es.engine_hash({"model": SMOL})
 
 
 def test_cli_and_crd_spellings_agree():

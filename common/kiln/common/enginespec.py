@@ -40,6 +40,7 @@ __all__ = [
     "BUILD_DEFAULTS",
     "EngineSpecError",
     "ModelRef",
+    "CalibrationRef",
     "BuildSpec",
     "parse_quantity",
     "canonical_json",
@@ -70,6 +71,11 @@ BUILD_DEFAULTS: dict[str, Any] = {
     "maxNumTokens": 8192,
 }
 
+# sha256 of the shipped default calibration data (kiln/runtime/data/calibration_mix.jsonl), in
+# every calibrating engine's hash: new default data, new engines (a test checks the file).
+DEFAULT_CALIBRATION_SHA256 = "sha256:d49fc5083f4ab169a2ab5f8e5301831f37881a1f90cc12ab0ce861a1d827f3e3"
+CALIBRATION_MOUNT = "/calibration"  # where a build Job mounts the claim of build.calibration
+_SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _QUANTITY_RE = re.compile(r"^([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
 _SUFFIX = {
     None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6),
@@ -240,6 +246,50 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class CalibrationRef:
+    """Calibration data other than the shipped default, hashed by its bytes only (``checksum``):
+    the same data gives the same engine wherever it lives.  ``kind``: ``path`` (a local file,
+    ``kiln build --calibration-data``) or ``pvc`` (``build.calibration.pvc``: ``path`` relative
+    to the claim ``claim_name``); ``checksum``: ``sha256:<hex>`` of the file (computed by
+    ``kiln build``; required in an InferenceEngine, whose operator cannot read the claim)."""
+
+    kind: str
+    path: str
+    checksum: str
+    claim_name: str | None = None
+
+    def __post_init__(self) -> None:
+        c = str(self.checksum or "").strip().lower()
+        if not _SHA256_RE.match(c):
+            raise EngineSpecError(f"build.calibration.checksum: expected sha256:<64 hex digits>, got {self.checksum!r}")
+        object.__setattr__(self, "checksum", c)
+
+    @classmethod
+    def from_dict(cls, cal: Any) -> "CalibrationRef | None":
+        """Parse an InferenceEngine ``spec.build.calibration`` (``pvc: {claimName, path}`` and
+        ``checksum``); ``None`` or ``{}`` means the shipped default.  Raises ``EngineSpecError``."""
+        if not cal or not isinstance(cal, Mapping):
+            if cal in (None, {}):
+                return None
+            raise EngineSpecError("build.calibration: expected an object")
+        if set(cal) - {"pvc", "checksum"}:
+            raise EngineSpecError(f"build.calibration: unknown field(s) {', '.join(sorted(set(cal) - {'pvc', 'checksum'}))}")
+        pvc = cal.get("pvc")
+        if not isinstance(pvc, Mapping) or not pvc.get("claimName") or not pvc.get("path"):
+            raise EngineSpecError("build.calibration.pvc: claimName and path are required")
+        if not cal.get("checksum"):
+            raise EngineSpecError("build.calibration.checksum: required (sha256:<hex> of the file): the engine "
+                                  "hash names the calibration data, which the operator cannot read")
+        if (path := os.path.normpath(str(pvc["path"])).lstrip("/")) in ("", ".") or path.startswith(".."):
+            raise EngineSpecError(f"build.calibration.pvc.path: {pvc['path']!r} is not a file path inside the claim")
+        return cls(kind="pvc", path=path, checksum=cal["checksum"], claim_name=str(pvc["claimName"]))
+
+    def to_cli(self, mount: str = CALIBRATION_MOUNT) -> str:
+        """The ``--calibration-data FILE`` argument (a ``pvc`` file: where its claim is mounted)."""
+        return os.path.join(mount, self.path) if self.kind == "pvc" else self.path
+
+
+@dataclass(frozen=True)
 class BuildSpec:
     """A normalized build spec: every field that changes the bytes of an engine, nothing else.
 
@@ -256,6 +306,7 @@ class BuildSpec:
         max_seq_len: longest sequence in tokens the engine is built for.
         max_batch_size: most sequences in one batch.
         max_num_tokens: most tokens in one forward pass (prefill chunk budget).
+        calibration: the calibration data (None: the shipped mixture); hashed when calibrating.
         format_version: ``ENGINE_FORMAT_VERSION``.
     """
 
@@ -269,6 +320,7 @@ class BuildSpec:
     max_seq_len: int = BUILD_DEFAULTS["maxSeqLen"]
     max_batch_size: int = BUILD_DEFAULTS["maxBatchSize"]
     max_num_tokens: int = BUILD_DEFAULTS["maxNumTokens"]
+    calibration: CalibrationRef | None = None
     format_version: int = field(default=ENGINE_FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -319,6 +371,7 @@ class BuildSpec:
             max_seq_len=get("maxSeqLen"),
             max_batch_size=get("maxBatchSize"),
             max_num_tokens=get("maxNumTokens"),
+            calibration=CalibrationRef.from_dict(build.get("calibration")),
         )
 
     @classmethod
@@ -326,8 +379,10 @@ class BuildSpec:
                  smoothquant_alpha: Any = None, kv_cache_dtype: str | None = None,
                  calibration_samples: int | None = None, max_seq_len: int | None = None,
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                 checksum: str | None = None, quantize_lm_head: bool | None = None) -> "BuildSpec":
-        """From ``kiln build`` flags (``None`` means the flag was not given: the default)."""
+                 checksum: str | None = None, quantize_lm_head: bool | None = None,
+                 calibration: CalibrationRef | None = None) -> "BuildSpec":
+        """From ``kiln build`` flags (``None`` means the flag was not given: the default);
+        ``calibration`` is ``--calibration-data`` with the checksum of its bytes."""
         d = BUILD_DEFAULTS
         return cls(
             source=ModelRef.from_string(model, checksum=checksum),
@@ -340,6 +395,7 @@ class BuildSpec:
             max_seq_len=d["maxSeqLen"] if max_seq_len is None else max_seq_len,
             max_batch_size=d["maxBatchSize"] if max_batch_size is None else max_batch_size,
             max_num_tokens=d["maxNumTokens"] if max_num_tokens is None else max_num_tokens,
+            calibration=calibration,
         )
 
     @property
@@ -368,7 +424,7 @@ class BuildSpec:
         kv: dict[str, Any] = {"dtype": self.kv_cache_dtype}
         if self.kv_cache_dtype == "fp8":
             kv["calibration_samples"] = self.calibration_samples
-        return {
+        d = {
             "format_version": self.format_version,
             "source": self.source.to_dict(),
             "quantization": q,
@@ -376,12 +432,15 @@ class BuildSpec:
             "limits": {"max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
                        "max_num_tokens": self.max_num_tokens},
         }
+        if self.calibrates:  # the data's bytes, not where they live: different data, different engine
+            d["calibration_data"] = {"sha256": self.calibration.checksum if self.calibration else DEFAULT_CALIBRATION_SHA256}
+        return d
 
     def hash(self, length: int = HASH_LENGTH) -> str:
         """The engine hash: the first ``length`` hex chars of sha256(canonical JSON)."""
         return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()[:length]
 
-    def to_build_args(self, output: str, models_mount: str = "/models") -> list[str]:
+    def to_build_args(self, output: str, models_mount: str = "/models", calibration_mount: str = CALIBRATION_MOUNT) -> list[str]:
         """The ``kiln build`` arguments (after ``build``) that build exactly this spec."""
         args = ["--model", self.source.to_cli(models_mount), "--output", output,
                 "--quantization", self.quantization]
@@ -394,6 +453,9 @@ class BuildSpec:
         args += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.calibrates:
             args += ["--calibration-samples", str(self.calibration_samples)]
+            if self.calibration:
+                args += ["--calibration-data", self.calibration.to_cli(calibration_mount),
+                         "--calibration-checksum", self.calibration.checksum]
         args += ["--max-seq-len", str(self.max_seq_len), "--max-batch-size", str(self.max_batch_size),
                  "--max-num-tokens", str(self.max_num_tokens)]
         if self.source.checksum:

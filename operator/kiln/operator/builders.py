@@ -15,7 +15,7 @@ import re
 from decimal import Decimal
 from typing import Any, Mapping, Sequence, Union
 
-from kiln.common.enginespec import canonical_json, engine_dir
+from kiln.common.enginespec import CALIBRATION_MOUNT, canonical_json, engine_dir
 
 from . import constants as c
 from .spec import ComputeResources, InferenceEngineSpec, as_spec
@@ -267,6 +267,10 @@ def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
         mounts.append({"name": "model", "mountPath": c.MODELS_MOUNT, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": model.pvc_claim, "readOnly": True}})
+    if bs.calibrates and bs.calibration is not None and bs.calibration.kind == "pvc":  # build.calibration
+        mounts.append({"name": "calibration", "mountPath": CALIBRATION_MOUNT, "readOnly": True})
+        volumes.append({"name": "calibration", "persistentVolumeClaim": {
+            "claimName": bs.calibration.claim_name, "readOnly": True}})
     if model.hf_token:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": model.hf_token.name, "key": model.hf_token.key}}})

@@ -304,13 +304,23 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     samples = None
     calib_info = None
     if handler.needs_calibration or kv:
-        samples = calibration.calibration_samples(tok, spec.calibration_samples)
-        text_path = calibration.data_path("calibration.txt")
-        calib_info = {"text": "kiln/runtime/data/calibration.txt", "text_sha256": sha256_file(text_path),
-                      "samples_requested": spec.calibration_samples, "samples_used": len(samples),
+        data = spec.calibration.path if spec.calibration else calibration.default_calibration_path()
+        try:
+            samples, per_domain = calibration.calibration_samples_by_domain(tok, spec.calibration_samples, data=data)
+            data_sha = calibration.sha256_of(data)
+        except (ValueError, OSError) as e:  # CalibrationDataError: the file changed or vanished since the CLI read it
+            raise BadInputError(f"calibration data: {e}") from e
+        if spec.calibration and data_sha != spec.calibration.checksum:
+            raise BadInputError(f"calibration data {data}: checksum mismatch: expected {spec.calibration.checksum}, "
+                                f"the file has {data_sha}")
+        calib_info = {"data": str(data) if spec.calibration else "kiln/runtime/data/" + data.name,
+                      "data_sha256": data_sha, "samples_requested": spec.calibration_samples,
+                      "samples_used": len(samples), "samples_per_domain": per_domain,
                       "sample_tokens": calibration.SAMPLE_TOKENS}
+        say("calibration: " + ", ".join(f"{d} {n}" for d, n in per_domain.items()) + " samples")
         if len(samples) < spec.calibration_samples:
-            say(f"calibration text holds {len(samples)} samples of {calibration.SAMPLE_TOKENS} tokens; using all of them")
+            say(f"the calibration data holds {len(samples)} samples of up to {calibration.SAMPLE_TOKENS} tokens; "
+                "using all of them")
     say(f"quantization {settings.method}" + (" (LM head too)" if settings.lm_head else "")
         + (", KV cache fp8" if kv else ""))
     last = [0.0]

@@ -20,6 +20,7 @@ from kiln.common.enginespec import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     BuildSpec,
+    CalibrationRef,
     EngineSpecError,
 )
 
@@ -46,7 +47,14 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"SmoothQuant migration strength in [0, 1] (default: {d['smoothquantAlpha']})")
     parser.add_argument("--kv-cache-dtype", default=d["kvCacheDtype"], help=f"one of {', '.join(KV_CACHE_DTYPES)}")
     parser.add_argument("--calibration-samples", type=int, default=d["calibrationSamples"],
-                        help="calibration samples of 128 tokens from the shipped text (default: %(default)s)")
+                        help="calibration samples of up to 128 tokens, round-robin over the data's domains "
+                             "(default: %(default)s)")
+    parser.add_argument("--calibration-data", default=None, metavar="FILE",
+                        help="calibration data: plain UTF-8 text, or JSONL records {\"text\": ...} or "
+                             "{\"messages\": [...]} (chats, rendered through the chat template), optional "
+                             "\"domain\" (default: the shipped mixture; its sha256 is part of the hash)")
+    parser.add_argument("--calibration-checksum", default=None,
+                        help=f"{CHECKSUM_ALGORITHM}:<hex> the --calibration-data file must have")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="also quantize the LM head (int4-awq and int4-gptq only; part of the hash)")
     parser.add_argument("--max-seq-len", type=int, default=d["maxSeqLen"])
@@ -111,6 +119,38 @@ def _checksum_error(checksum: str) -> str | None:
     return None
 
 
+def _calibration_ref(args: argparse.Namespace) -> CalibrationRef | None:
+    """``--calibration-data`` as a spec reference: the file read and checked (every record,
+    so a malformed line fails now, not after the model has loaded) and its checksum.
+
+    Raises:
+        ValueError: a checksum without data, a malformed checksum, a file that cannot be used
+            (``CalibrationDataError``), or a checksum mismatch.
+    """
+    path = getattr(args, "calibration_data", None)
+    want = getattr(args, "calibration_checksum", None)
+    if path is None:
+        if want is not None:
+            raise ValueError("--calibration-checksum needs --calibration-data")
+        return None
+    if want is not None:
+        err = _checksum_error(want)
+        if err:
+            raise ValueError(err.replace("--source-checksum", "--calibration-checksum"))
+    if not path.strip():
+        raise ValueError("--calibration-data must not be empty")
+    from .quantization.calibration_data import read_records, sha256_of  # noqa: PLC0415
+
+    try:
+        read_records(path)
+    except ValueError as e:
+        raise ValueError(f"--calibration-data {e}") from None
+    got = sha256_of(path)
+    if want is not None and want.strip().lower() != got:
+        raise ValueError(f"--calibration-data {path}: checksum mismatch: expected {want}, the file has {got}")
+    return CalibrationRef(kind="path", path=os.path.abspath(path), checksum=got)
+
+
 def run_build(args: argparse.Namespace) -> int:
     """Run ``kiln build`` from parsed arguments; prints progress to stderr and the engine
     path to stdout.  Returns the exit code (0, 1 or 2; see the module doc)."""
@@ -122,14 +162,23 @@ def run_build(args: argparse.Namespace) -> int:
     if err:
         return _error(args, 2, err)
     try:
+        calibration = _calibration_ref(args)
+    except ValueError as e:
+        return _error(args, 2, str(e))
+    try:
         spec = BuildSpec.from_cli(
             args.model, quantization=args.quantization, group_size=args.group_size,
             smoothquant_alpha=args.smoothquant_alpha, kv_cache_dtype=args.kv_cache_dtype,
             calibration_samples=args.calibration_samples, max_seq_len=args.max_seq_len,
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-            checksum=args.source_checksum, quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)))
+            checksum=args.source_checksum, quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)),
+            calibration=calibration)
     except EngineSpecError as e:
         return _error(args, 2, _cli_spelling(str(e)))
+    if calibration is not None and not spec.calibrates:
+        return _error(args, 2, f"--calibration-data applies only to builds that calibrate (--quantization "
+                               f"fp8, int8-smoothquant, int4-awq, int4-gptq or --kv-cache-dtype fp8), "
+                               f"not to --quantization {spec.quantization}")
     for flag, given, methods in (("--group-size", args.group_size is not None, GROUPED_METHODS),
                                  ("--quantize-lm-head", getattr(args, "quantize_lm_head", False), GROUPED_METHODS),
                                  ("--smoothquant-alpha", args.smoothquant_alpha is not None, ("int8-smoothquant",))):

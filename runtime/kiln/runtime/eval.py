@@ -6,6 +6,13 @@
   (``ppl = exp(sum NLL / count)``).  The forward pass is Kiln's own (paged KV cache included,
   so an FP8 KV cache is measured too).  Default text: the shipped held-out text
   (``data/heldout.txt``), disjoint from the calibration text.
+* ``kiln eval perplexity (--model SRC | --engine DIR) --domains [all | prose,code,...]`` scores
+  each held-out domain shipped in ``data/heldout/`` (prose, dialogue through the chat template,
+  code, markdown and numbers, multilingual) and ``docstrings`` (``data/heldout.txt``), each
+  text on its own, with one model load, and prints one line per domain (``--json``: one
+  object).  ``--text`` may be repeated, and a ``.jsonl`` text is read as calibration-style
+  records (``{"text"}`` or ``{"messages"}``, chats through the chat template); each text is
+  then a domain named by its file name.
 * ``kiln eval agreement A B [--text FILE]`` compares two models/engines (each a source or an
   engine folder): teacher-forced top-1 agreement over the text, and greedy generations from
   prompts cut from it (share of identical tokens, prompts identical to the end).
@@ -135,6 +142,72 @@ def perplexity(model: str | None = None, engine: str | None = None, text: str | 
     return res
 
 
+def domain_texts(domains: str | None = None, texts: list[str] | None = None) -> dict[str, str]:
+    """``{domain: file}`` to score: the shipped held-out domains named in ``domains`` (``all``
+    or comma-separated names), then each of ``texts`` under its file name (stem).
+
+    Raises:
+        ValueError: an unknown domain name, a missing text file, two texts with one name.
+    """
+    from .quantization.calibration_data import heldout_domains  # noqa: PLC0415
+
+    shipped = heldout_domains()
+    out: dict[str, str] = {}
+    if domains:
+        names = list(shipped) if domains.strip() == "all" else [d.strip() for d in domains.split(",") if d.strip()]
+        for n in names:
+            if n not in shipped:
+                raise ValueError(f"--domains: unknown domain {n!r}; shipped: {', '.join(shipped)} (or all)")
+            out[n] = str(shipped[n])
+    for t in texts or []:
+        if not Path(t).is_file():
+            raise FileNotFoundError(f"--text {t}: no such file")
+        name = Path(t).stem
+        if name in out:
+            raise ValueError(f"--text {t}: a second text named {name!r}; rename one of them")
+        out[name] = t
+    if not out:
+        raise ValueError("nothing to score: give --domains or --text")
+    return out
+
+
+def perplexity_by_domain(files: dict[str, str], model: str | None = None, engine: str | None = None,
+                         max_tokens: int | None = None, window: int = DEFAULT_WINDOW, device: str = "cpu",
+                         dtype: str = "auto") -> dict[str, PerplexityResult]:
+    """Perplexity on each text of ``{domain: file}`` (one model load; each text scored on its
+    own in windows of ``window`` tokens; ``max_tokens`` caps each).  A ``.jsonl`` file is read
+    as records (``calibration_data.read_records``: chats through the chat template, records
+    joined by EOS); another file as plain text.
+
+    Raises:
+        ValueError: as ``perplexity``, or a malformed ``.jsonl`` (``CalibrationDataError``).
+    """
+    from .quantization.calibration_data import Record, domain_streams, read_records  # noqa: PLC0415
+
+    if window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {window}")
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
+    records = {}
+    for dom, f in files.items():  # every file is read and checked before the model loads
+        recs = read_records(f, default_domain=dom) if f.endswith(".jsonl") else [Record(dom, text=read_text(f))]
+        records[dom] = [Record(dom, text=r.text, messages=r.messages) for r in recs]
+    eng = open_model(model, engine, device, dtype, window)
+    if window > eng.max_model_len:
+        raise ValueError(f"--window {window} is longer than the model's context of {eng.max_model_len} tokens "
+                         f"(max_model_len); use --window {eng.max_model_len} or less")
+    out = {}
+    for dom, recs in records.items():
+        ids = domain_streams(recs, eng.tokenizer)[dom]
+        if max_tokens:
+            ids = ids[:max_tokens]
+        res = score_windows(eng, ids, window)[0]
+        if res.num_tokens == 0:
+            raise ValueError(f"{files[dom]}: {len(ids)} token(s): nothing to score (need at least 2)")
+        out[dom] = res
+    return out
+
+
 def agreement(a: str, b: str, text: str | None = None, max_tokens: int | None = 2048, num_prompts: int = 8,
               prompt_tokens: int = 32, new_tokens: int = 32, window: int = DEFAULT_WINDOW,
               device: str = "cpu") -> dict:
@@ -199,7 +272,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = pp.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", help="builtin:<name>, a .gguf file or a Hugging Face folder")
     g.add_argument("--engine", help="a Kiln engine folder (kiln build)")
-    pp.add_argument("--text", default=None, help="UTF-8 text file (default: the shipped held-out text)")
+    pp.add_argument("--text", default=None, action="append",
+                    help="UTF-8 text file, or .jsonl records (default: the shipped held-out text); repeat to "
+                         "score several texts, each on its own")
+    pp.add_argument("--domains", default=None, nargs="?", const="all",
+                    help="score the shipped held-out domains: all (no value) or a comma-separated list")
     pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     pp.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per scored window")
     pp.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
@@ -224,6 +301,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
     try:
         text = getattr(args, "text", None)
+        if args.eval_command == "perplexity" and (args.domains is not None or (text and len(text) > 1)
+                                                  or (text and text[0].endswith(".jsonl"))):
+            return _perplexity_domains(args)
+        if isinstance(text, list):
+            text = args.text = text[0]
         if text is not None and Path(text).is_dir():
             raise ValueError(f"--text {text}: is a directory, not a text file")
         if text is not None and not Path(text).exists():
@@ -242,6 +324,23 @@ def run_eval(args: argparse.Namespace) -> int:
     except (EngineFormatError, ModelSourceError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
         print(f"kiln eval: error: {e}", file=sys.stderr)
         return 2
+
+
+def _perplexity_domains(args: argparse.Namespace) -> int:
+    """``kiln eval perplexity --domains ... / --text A --text B``: one line (or one JSON
+    object) per domain.  Errors propagate to ``run_eval``."""
+    for t in args.text or []:
+        if Path(t).is_dir():
+            raise ValueError(f"--text {t}: is a directory, not a text file")
+    files = domain_texts(args.domains, args.text)
+    res = perplexity_by_domain(files, args.model, args.engine, args.max_tokens, args.window, args.device, args.dtype)
+    src = args.model or args.engine
+    if args.json:
+        print(json.dumps({"source": src, "domains": {d: asdict(r) for d, r in res.items()}}))
+    else:
+        for d, r in res.items():
+            print(f"{d:<14} perplexity {r.perplexity:.4f} over {r.num_tokens} tokens ({src})")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

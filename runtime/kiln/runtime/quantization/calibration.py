@@ -1,10 +1,11 @@
-"""Calibration: the shipped text, its samples, and a layer-by-layer pass that collects the
-statistics quantization methods read.
+"""Calibration: the samples, and a layer-by-layer pass that collects the statistics
+quantization methods read.
 
-Text: ``kiln/runtime/data/calibration.txt``, English prose from CPython's standard-library
-docstrings (PSF license), frozen into the project so every build sees the same bytes; the
-held-out evaluation text (``data/heldout.txt``) comes from different modules.  Nothing is
-downloaded.
+Data: ``kiln build --calibration-data FILE`` (plain text or JSONL chat records), else the
+shipped mixture ``kiln/runtime/data/calibration_mix.jsonl`` (chat answers through the chat
+template, prose, code, markdown, numbers, several languages; see ``calibration_data``), frozen
+into the project so every build sees the same bytes.  The held-out evaluation texts
+(``data/heldout/``, ``data/heldout.txt``) differ from it.  Nothing is downloaded.
 
 The pass (``LayerwiseCalibrator``) runs the calibration samples through the model one decoder
 layer at a time, as GPTQ and AWQ do: statistics of layer ``i``'s linear inputs are collected
@@ -16,7 +17,6 @@ against the errors of earlier ones.  Memory holds one layer's activations for al
 from __future__ import annotations
 
 import math
-from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -25,31 +25,49 @@ from torch import nn
 
 from ..attention import AttentionMetadata
 from .base import LayerStats, decoder_linears
+from .calibration_data import (  # noqa: F401  (data_path: shipped files, for callers)
+    Record,
+    data_path,
+    default_calibration_path,
+    domain_streams,
+    read_records,
+    samples_from_streams,
+    sha256_of,
+)
 
 SAMPLE_TOKENS = 128  # tokens per calibration sample
 MAX_SAVED_ROWS = 1024  # input rows kept per linear for AWQ's loss (deterministic stride)
 
 
-def data_path(name: str) -> Path:
-    """Path of a file shipped in ``kiln/runtime/data``."""
-    return Path(str(resources.files("kiln.runtime") / "data" / name))
-
-
 def calibration_samples(tokenizer, num_samples: int, sample_tokens: int = SAMPLE_TOKENS,
-                        text: str | None = None) -> list[list[int]]:
-    """Consecutive ``sample_tokens``-token chunks of the calibration text (the first
-    ``num_samples``; fewer when the text is shorter).
+                        text: str | None = None, data: str | Path | None = None) -> list[list[int]]:
+    """Calibration samples of at most ``sample_tokens`` tokens (the first ``num_samples``;
+    fewer when the data is shorter), taken round-robin over the data's domains.
 
+    Args:
+        tokenizer: the model's tokenizer (with its chat template for chat records).
+        num_samples: samples wanted.
+        sample_tokens: tokens per sample.
+        text: a plain text to cut instead of a data file (tests).
+        data: a data file (``calibration_data.read_records``); default: the shipped mixture.
     Raises:
         ValueError: ``num_samples < 1``.
+        CalibrationDataError: a data file that cannot be used.
     """
+    return calibration_samples_by_domain(tokenizer, num_samples, sample_tokens, text, data)[0]
+
+
+def calibration_samples_by_domain(tokenizer, num_samples: int, sample_tokens: int = SAMPLE_TOKENS,
+                                  text: str | None = None, data: str | Path | None = None
+                                  ) -> tuple[list[list[int]], dict[str, int]]:
+    """``calibration_samples`` and the number of samples taken from each domain."""
     if num_samples < 1:
         raise ValueError(f"calibration samples must be at least 1, got {num_samples}")
-    if text is None:
-        text = data_path("calibration.txt").read_text(encoding="utf-8")
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    chunks = [ids[i:i + sample_tokens] for i in range(0, len(ids) - sample_tokens + 1, sample_tokens)]
-    return chunks[:num_samples]
+    if text is not None:
+        records = [Record("text", text=text)]
+    else:
+        records = read_records(data if data is not None else default_calibration_path())
+    return samples_from_streams(domain_streams(records, tokenizer), num_samples, sample_tokens)
 
 
 def single_sequence_meta(num_tokens: int, block_size: int, device) -> AttentionMetadata:
