@@ -39,6 +39,8 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     seed: int | None = None
     record_metrics: bool = True
+    # The LoRA adapter (its name) that computes this sequence; None: the base model.
+    lora_name: str | None = None
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
