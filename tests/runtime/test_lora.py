@@ -176,3 +176,68 @@ def test_lora_config_validation(tmp_path):
         EngineArgs(enable_lora=True, max_lora_rank=128)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def _dequantized_peer(llm):
+    """A transformers model holding the int4 base's dequantized weights (each linear read
+    back as ``W.T = base(I)``), so peft's float LoRA sits on the very base Kiln serves."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = llm.engine.model_config
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
+        k: v for k, v in cfg.to_hf_dict().items() if k != "architectures"}), dtype=torch.float32)
+    sd = {n: p.detach() for n, p in llm.engine.runner.model.named_parameters()
+          if "norm" in n or "embed" in n or "lm_head" in n}
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    with torch.inference_mode():
+        for (i, name), (lin, method) in llm.engine.lora.methods.items():
+            w = method.base.apply(lin, torch.eye(lin.in_features)).T.float()
+            pre = f"model.layers.{i}." + ("self_attn." if name in ("qkv_proj", "o_proj") else "mlp.")
+            if name == "qkv_proj":
+                sd.update({pre + "q_proj.weight": w[:q], pre + "k_proj.weight": w[q:q + kv],
+                           pre + "v_proj.weight": w[q + kv:]})
+            elif name == "gate_up_proj":
+                sd.update({pre + "gate_proj.weight": w[:inter], pre + "up_proj.weight": w[inter:]})
+            else:
+                sd[pre + name + ".weight"] = w
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf.eval()
+
+
+def test_int4_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
+    """LoRA on int4 linears (round-to-nearest groups of 128): Kiln's greedy outputs equal
+    peft's on a float model holding the dequantized base (the delta adds to the int4 output)."""
+    from peft import LoraConfig, get_peft_model
+
+    from kiln.runtime import LLM, SamplingParams
+
+    d = tmp_path / "base"
+    d.mkdir()
+    cfg = json.loads(open(_config(d) + "/config.json").read())
+    cfg.update(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(d), load_format="dummy", quantization="int4-awq", num_kv_blocks=64,
+              max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert type(llm.engine.lora.methods[(0, "qkv_proj")][1].base).__name__ == "Int4LinearMethod"
+    hf = _dequantized_peer(llm)
+    torch.manual_seed(3)
+    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj",
+                                                                                          "gate_proj", "down_proj"],
+                                                      init_lora_weights=False, lora_dropout=0.0))
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data.mul_(4.0)
+    pm.eval().save_pretrained(str(tmp_path / "ad"))
+    llm.add_lora("ad", str(tmp_path / "ad"))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 19, 44)]
+    names = ["ad", None, "ad", None]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, sp, lora_request=[LoRARequest(n) if n else None for n in names])
+    changed = 0
+    for p, n, o in zip(prompts, names, outs):
+        assert o.outputs[0].token_ids == _greedy(pm if n else hf, p, 8), n
+        if n:
+            changed += o.outputs[0].token_ids != _greedy(hf, p, 8)
+    assert changed, "the adapter changed no output"
