@@ -241,3 +241,17 @@ def test_int4_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
         if n:
             changed += o.outputs[0].token_ids != _greedy(hf, p, 8)
     assert changed, "the adapter changed no output"
+
+
+def test_serve_flags_reach_engine_args():
+    from kiln.runtime.cli import build_parser, engine_args_from, parse_lora_modules
+
+    ns = build_parser().parse_args(["serve", "--lora-modules", "a=/x/a", "b=/y/b", "--max-loras", "3",
+                                    "--max-lora-rank", "32", "--max-cpu-loras", "5"])
+    args = engine_args_from(ns)
+    assert args.lora_modules == {"a": "/x/a", "b": "/y/b"} and args.lora_enabled
+    assert (args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (3, 32, 5)
+    assert not engine_args_from(build_parser().parse_args(["serve"])).lora_enabled
+    for bad, msg in ((["noequals"], "NAME=FOLDER"), (["a=/x", "a=/y"], "twice"), (["=/x"], "NAME=FOLDER")):
+        with pytest.raises(ValueError, match=msg):
+            parse_lora_modules(bad)
