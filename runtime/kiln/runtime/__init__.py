@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 _LAZY = {
     "LLM": "kiln.runtime.llm",
+    "LoRARequest": "kiln.runtime.lora",
     "SamplingParams": "kiln.runtime.sampling_params",
     "RequestOutput": "kiln.runtime.outputs",
     "CompletionOutput": "kiln.runtime.outputs",

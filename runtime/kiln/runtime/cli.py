@@ -80,8 +80,30 @@ def engine_args_from(ns: argparse.Namespace):
         load_format=ns.load_format, seed=ns.seed, served_model_name=getattr(ns, "served_model_name", None),
         enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,
         pdl=not ns.no_pdl, fused_rope_kv=not ns.no_fused_rope_kv, w4a16_dequant_min_m=ns.w4a16_dequant_min_m,
-        quantization=getattr(ns, "quantization", None) or "none", **threads,
+        quantization=getattr(ns, "quantization", None) or "none", **threads, **lora_args_from(ns),
     )
+
+
+def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """``--lora-modules name=FOLDER ...`` as ``{name: folder}`` (ValueError for a spec
+    without ``=``, an empty part or a repeated name)."""
+    out: dict[str, str] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules {spec!r}: expected NAME=FOLDER (a PEFT adapter folder)")
+        if name in out:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
+def lora_args_from(ns: argparse.Namespace) -> dict:
+    """The LoRA fields of ``EngineArgs`` from ``kiln serve``'s flags (none for other commands)."""
+    if not hasattr(ns, "max_loras"):
+        return {}
+    return dict(enable_lora=ns.enable_lora, lora_modules=parse_lora_modules(ns.lora_modules),
+                max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras)
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -163,6 +185,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq"],
                    default="none", help="with --load-format dummy: quantize the random weights at load (round to "
                    "nearest; benchmarks). A real model is quantized by `kiln build`; an engine carries its own")
+    lora = p.add_argument_group("LoRA adapters (PEFT folders; a request selects one by its model name)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (implied by --lora-modules); load more with POST /v1/load_lora_adapter")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=FOLDER",
+                      help="adapters loaded at start, each served under NAME")
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (device slots)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (1..64)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in host memory (default: --max-loras); others are re-read from disk")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes on the port (HTTP, tokenization, detokenization), all in front "
                         "of one engine core process (default: %(default)s)")

@@ -90,6 +90,25 @@ class EngineArgs:
     pdl: bool = True
     fused_rope_kv: bool = True
     w4a16_dequant_min_m: int = 65
+    # Multi-LoRA serving (``kiln.runtime.lora``): adapters loaded at start (``{name: PEFT
+    # folder}``), device slots (``max_loras``: distinct adapters per step), the slots' rank
+    # (``max_lora_rank``, 1..64) and the host cache (``max_cpu_loras``; None: max_loras).
+    # LoRA is on when ``enable_lora`` is set or ``lora_modules`` is not empty.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def lora_config(self):
+        """The engine's ``LoRAConfig`` (ValueError for an out-of-range field)."""
+        from .lora.manager import LoRAConfig  # noqa: PLC0415  (torch)
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def kernel_options(self) -> KernelOptions:
         """The engine's ``KernelOptions`` (ValueError for an out-of-range field)."""
@@ -125,6 +144,8 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         self._check_quantization()
+        if self.lora_enabled:
+            self.lora_config()  # refuses max_loras < 1, a rank outside 1..64, too few cpu loras
         self.kernel_options()  # refuses a w4a16_dequant_min_m below 1
 
 

@@ -81,6 +81,8 @@ class DecodeGraphs:
         with torch.inference_mode():
             for bs in reversed(self.sizes):
                 meta = self.metadata(bs)
+                if self.runner.lora is not None:  # LoRA kernels in the graph; slots are inputs
+                    self.runner.lora.set_batch([], num_tokens=bs, active=True)
                 # Warm up (Triton compilation, cuBLAS handles) outside the capture.
                 for _ in range(2):
                     model(self.input_ids[:bs], self.positions[:bs], meta)
@@ -142,5 +144,7 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
         self.block_tables[:bs].copy_(table[:bs], non_blocking=True)
         self.runner.fill_placeholders(self.input_ids, ph_dst, ph_src)
+        if self.runner.lora is not None:
+            self.runner.lora.set_batch([(sr.request.lora_id, 1) for sr in out.scheduled], num_tokens=bs, active=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

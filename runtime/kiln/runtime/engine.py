@@ -98,12 +98,13 @@ class LLMEngine:
         return self.input.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id.  Raises InvalidRequestError (nothing queued)."""
+                    arrival_time: float | None = None, lora_name: str | None = None) -> str:
+        """Queue a request (computed by the LoRA adapter ``lora_name`` when given); returns its
+        id.  Raises InvalidRequestError (nothing queued; ``LoRAError`` for an unknown adapter)."""
         request_id = request_id or self.new_request_id()
         if self.output.get(request_id) is not None:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        text, ids, seqs = self.input.process(request_id, prompt, params, arrival_time)
+        text, ids, seqs = self.input.process(request_id, prompt, params, arrival_time, lora_name)
         added: list[str] = []
         try:
             for s in seqs:
@@ -114,6 +115,28 @@ class LLMEngine:
             raise
         self.output.add_request(request_id, text, ids, params, seqs[0].arrival_time)
         return request_id
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    @property
+    def lora(self):
+        """The engine's ``LoRAManager`` (None without ``enable_lora`` / ``lora_modules``)."""
+        return self.core.runner.lora
+
+    def add_lora(self, name: str, path: str):
+        """Load a PEFT adapter under ``name`` (``LoRAManager.add_adapter``; LoRAError)."""
+        if self.lora is None:
+            from .lora import LoRAError  # noqa: PLC0415
+
+            raise LoRAError("this engine was started without LoRA (enable_lora=True or lora_modules)")
+        return self.lora.add_adapter(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``; its running requests finish first (LoRAError if unknown)."""
+        if self.lora is None:
+            from .lora import LoRAError  # noqa: PLC0415
+
+            raise LoRAError(f"no adapter named {name!r} is loaded", "NotFound")
+        self.lora.remove_adapter(name)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (client gone): frees its blocks; unknown or finished ids are ignored."""

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from .config import EngineArgs
 from .engine import LLMEngine
+from .lora import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion with in-flight batching.
 
@@ -39,6 +41,8 @@ class LLM:
             prompts: one string, a list of strings, or a list of token-id lists.
             sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``,
                 temperature 1.0 and 16 tokens, as in vLLM).
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
+                model); an adapter given with a ``path`` is loaded first if it is not loaded.
         Returns:
             One finished RequestOutput per prompt, in input order.
         Raises:
@@ -69,15 +73,36 @@ class LLM:
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"each sampling_params entry must be SamplingParams, got {type(sp).__name__}")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        for lr in loras:
+            if lr is not None and not isinstance(lr, LoRARequest):
+                raise TypeError(f"lora_request entries must be LoRARequest or None, got {type(lr).__name__}")
+            if lr is not None and lr.path is not None and self.engine.lora is not None \
+                    and lr.name not in {a.name for a in self.engine.lora.adapters()}:
+                self.engine.add_lora(lr.name, lr.path)
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(None, p, sp))
+            for p, sp, lr in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(None, p, sp, lora_name=lr.name if lr is not None else None))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids)
+
+    def add_lora(self, name: str, path: str):
+        """Load a PEFT LoRA adapter folder under ``name`` (LoRAError when it cannot be served)."""
+        return self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (LoRAError NotFound when unknown)."""
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list:
+        """The loaded adapters (``LoRAInfo``: name, id, path, rank, target modules)."""
+        return self.engine.lora.adapters() if self.engine.lora is not None else []
 
     def chat(
         self,

@@ -119,6 +119,17 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self.decode_graphs: DecodeGraphs | None = None
+        # The LoRA transform and its adapters (``enable_lora``); None: no LoRA.
+        self.lora = None
+
+    def enable_lora(self, config) -> None:
+        """Wrap the model's target linears for multi-LoRA serving (``lora.LoRAManager``),
+        after the base weights are loaded (quantized or not) and before warm-up and graph
+        capture (the graphs read the LoRA mapping's buffers)."""
+        from .lora.manager import LoRAManager  # noqa: PLC0415
+
+        max_tokens = max(self.args.max_num_batched_tokens or 0, self.args.max_num_seqs or 0, 1)
+        self.lora = LoRAManager(self.model, self.model_config, config, max_tokens + 16)
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(self, weights) -> None:
@@ -245,6 +256,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         ph_dst: list[int] = []
         ph_src: list[int] = []
+        lora_rows: list[tuple[int, int]] = []  # (lora_id, tokens) per row
         decodes = [sr for sr in out.scheduled if sr.num_new_tokens == 1]
         num_decodes = len(decodes)
         ordered = out.scheduled if num_decodes in (0, len(out.scheduled)) else \
@@ -266,9 +278,12 @@ class ModelRunner:
             seq_lens.append(start + n)
             q_lens.append(n)
             tables.append(blocks)
+            lora_rows.append((req.lora_id, n))
             if sr.needs_sample:
                 logit_rows.append(len(input_ids) - 1)
         meta = self.attention_metadata(slots, seq_lens, q_lens, tables, num_decodes)
+        if self.lora is not None:
+            self.lora.set_batch(lora_rows)
         ids_t = self.h2d(input_ids, torch.int64)
         self.fill_placeholders(ids_t, ph_dst, ph_src)
         return ids_t, self.h2d(positions, torch.int64), meta, logit_rows, ordered

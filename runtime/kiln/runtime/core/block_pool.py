@@ -35,6 +35,15 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = hashlib.sha256(b"kiln-prefix-cache-v1").digest()
 
 
+def root_hash(lora_id: int = 0) -> BlockHash:
+    """Parent hash of a request's first block: ``ROOT_HASH`` for the base model, a hash of
+    its own per LoRA adapter (``lora_id``, never reused), so a block computed under one
+    adapter is never found for another adapter or for the base."""
+    if not lora_id:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + b"lora" + lora_id.to_bytes(8, "little")).digest()
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Hash of one full block, chained over all earlier blocks.
 

@@ -39,6 +39,8 @@ class SchedulerConfig:
     # placeholder for each token to sample, so the next step can be planned while this one
     # runs on the device; ``update_from_output`` fills the placeholders in.
     async_scheduling: bool = False
+    # Most distinct LoRA adapters among running requests (the device slots; 0: no LoRA).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):

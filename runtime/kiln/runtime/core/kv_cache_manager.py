@@ -13,7 +13,7 @@ Only full blocks are ever shared, and only through a matching chained hash (see
 
 from __future__ import annotations
 
-from .block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block_tokens
+from .block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block_tokens, root_hash  # noqa: F401
 from .request import Request
 
 
@@ -148,7 +148,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.lora_id)
             hashes.append(hash_block_tokens(parent, _token_slice(request, i * bs, (i + 1) * bs)))
         return hashes[:num_full_blocks]
 

@@ -67,6 +67,9 @@ class Request:
     # Monotonic time of the first scheduling (arrival -> this is the queue time); None
     # while still queued for the first time.
     first_scheduled_time: float | None = None
+    # The LoRA adapter computing this request (``LoRAManager``'s lora_id; 0: the base
+    # model).  Its KV blocks are cached under a key of their own.
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

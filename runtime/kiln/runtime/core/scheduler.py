@@ -207,6 +207,13 @@ class Scheduler:
         need = self.max_blocks_needed(request) - len(computed_blocks)
         return kv.num_free_blocks - num_hit_evictable >= need + self._future_blocks_of_running()
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Admitting ``request`` keeps at most ``max_loras`` distinct adapters running."""
+        if not request.lora_id:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id}
+        return request.lora_id in running or len(running) < self.config.max_loras
+
     def _record(self, out: SchedulerOutput, sr: ScheduledRequest) -> None:
         if self.config.async_scheduling:
             req = sr.request
@@ -271,6 +278,8 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             req = self.waiting[0]
+            if cfg.max_loras and not self._lora_fits(req):
+                break  # the device slots hold other adapters' running requests
             computed_blocks, num_cached = kv.get_computed_blocks(req)
             if cfg.policy == "guaranteed_no_evict" and not self._fits_whole_future(req, computed_blocks):
                 break

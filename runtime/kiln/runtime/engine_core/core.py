@@ -117,6 +117,7 @@ class EngineCore:
             policy=args.scheduler_policy,
             enable_prefix_caching=args.enable_prefix_caching,
             async_scheduling=self.async_scheduling,
+            max_loras=args.max_loras if self.runner.lora is not None else 0,
         ))
         self.eos_token_ids = set(lm.eos_token_ids)
         # The step launched last, not yet read back: (its plan, its pending result).
@@ -144,6 +145,8 @@ class EngineCore:
             self.scheduler.check_request(r)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
+        if req.lora_name:
+            r.lora_id = self._acquire_lora(req.lora_name)  # raises LoRAError (an InvalidRequestError)
         gen = None
         if req.seed is not None:
             gen = torch.Generator(device=self.runner.device)
@@ -152,6 +155,19 @@ class EngineCore:
         self._seqs[req.request_id] = _Seq(r, req.params, gen, req.record_metrics)
         if req.params.has_penalties:
             self._num_history_requests += 1
+
+    def _acquire_lora(self, name: str) -> int:
+        lora = self.runner.lora
+        if lora is None:
+            from ..lora import LoRAError  # noqa: PLC0415
+
+            raise LoRAError(f"the model {name!r} does not exist (this engine serves no LoRA adapters: start it "
+                            "with --enable-lora or --lora-modules)", "NotFound")
+        return lora.acquire(name)
+
+    def _release_lora(self, seq: _Seq) -> None:
+        if seq.request.lora_id and self.runner.lora is not None:
+            self.runner.lora.release(seq.request.lora_id)
 
     def abort_requests(self, request_ids: list[str], finish_reason: str = "abort") -> None:
         """Drop sequences now (their KV blocks are freed); unknown or finished ids are
@@ -165,6 +181,7 @@ class EngineCore:
             if seq.params.has_penalties:
                 self._num_history_requests -= 1
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self._release_lora(seq)
             self._record_finish(seq, now, finish_reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -327,6 +344,7 @@ class EngineCore:
             self._seqs.pop(req.request_id, None)
             if params.has_penalties:
                 self._num_history_requests -= 1
+            self._release_lora(seq)
             self._record_finish(seq, now, status.finish_reason)
         return out
 

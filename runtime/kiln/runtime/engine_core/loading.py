@@ -111,6 +111,10 @@ def load_model(args: EngineArgs) -> LoadedModel:
             runner.init_dummy_weights(args.seed)
         else:
             runner.load_weights(loader.iter_weights(src))
+    if args.lora_enabled:
+        runner.enable_lora(args.lora_config())
+        for name, path in args.lora_modules.items():
+            runner.lora.add_adapter(name, path)  # LoRAError (a ValueError): exit 2 at start
     max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     if engine_limit:
         max_model_len = min(max_model_len, engine_limit)

@@ -39,6 +39,8 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     seed: int | None = None
     record_metrics: bool = True
+    # The LoRA adapter (its name) that computes this sequence; None: the base model.
+    lora_name: str | None = None
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -73,11 +75,41 @@ class ApiStats(msgspec.Struct, tag=True, array_like=True):
     rss_bytes: int
 
 
+class LoRAControl(msgspec.Struct, tag=True, array_like=True):
+    """Load (``op`` "load", from the PEFT folder ``path``) or unload (``op`` "unload") the
+    LoRA adapter ``name``; the core answers the sender with a :class:`LoRAReply` carrying
+    ``token``, and sends every client the new adapter list."""
+
+    token: int
+    op: str
+    name: str
+    path: str = ""
+
+
+class LoRAAdapter(msgspec.Struct, array_like=True):
+    """One loaded adapter, as ``/v1/models`` lists it (``created``: Unix seconds)."""
+
+    name: str
+    path: str
+    rank: int
+    created: int
+
+
+class LoRAReply(msgspec.Struct, array_like=True):
+    """The answer to a :class:`LoRAControl`: HTTP ``status`` (200, 400, 404), a
+    ``message`` and the adapter error's ``reason`` (``NotFound``, ``RankTooLarge``, ...)."""
+
+    token: int
+    status: int
+    message: str
+    reason: str = ""
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop the core (after this message nothing more is read)."""
 
 
-ClientMessage = AddRequests | AbortRequests | ApiStats | Shutdown
+ClientMessage = AddRequests | AbortRequests | ApiStats | LoRAControl | Shutdown
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -108,6 +140,7 @@ class Rejected(msgspec.Struct, array_like=True):
 
     request_id: str
     message: str
+    status: int = 400  # 404: the request names a LoRA adapter that is not loaded
 
 
 class CoreOutputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -118,12 +151,16 @@ class CoreOutputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
         accepted: ids of sequences admitted since the last message.
         rejected: sequences refused since the last message.
         timestamp: when the core sent it (monotonic seconds).
+        lora_reply: the answer to this client's ``LoRAControl``, if any.
+        lora_adapters: the loaded LoRA adapters, sent when they changed (None: unchanged).
     """
 
     outputs: list[CoreOutput] = []
     accepted: list[str] = []
     rejected: list[Rejected] = []
     timestamp: float = 0.0
+    lora_reply: LoRAReply | None = None
+    lora_adapters: list[LoRAAdapter] | None = None
 
 
 class CoreInfo(msgspec.Struct):
@@ -155,6 +192,8 @@ class CoreInfo(msgspec.Struct):
     tokenizer: tuple[str, str]
     pid: int = 0
     startup_seconds: float = 0.0
+    lora_enabled: bool = False  # --enable-lora / --lora-modules
+    lora_adapters: list[LoRAAdapter] = []  # the adapters loaded at start
 
 
 _ENCODER = msgspec.msgpack.Encoder()

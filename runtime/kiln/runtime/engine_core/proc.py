@@ -111,7 +111,8 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
             vocab_size=core.model_config.vocab_size, num_kv_blocks=core.runner.num_kv_blocks,
             block_size=core.args.block_size, max_num_seqs=core.args.max_num_seqs,
             max_num_batched_tokens=core.args.max_num_batched_tokens, eos_token_ids=sorted(core.eos_token_ids),
-            tokenizer=lm.tokenizer_source, pid=os.getpid(), startup_seconds=core.startup_seconds)
+            tokenizer=lm.tokenizer_source, pid=os.getpid(), startup_seconds=core.startup_seconds,
+            lora_enabled=core.runner.lora is not None, lora_adapters=lora_adapter_list(core))
     except BaseException as e:  # noqa: BLE001  (start-up failure: one line to the launcher)
         msg, code = one_line_error(e)
         if code == 1:
@@ -151,6 +152,35 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
     os._exit(0)
 
 
+def lora_adapter_list(core) -> list[m.LoRAAdapter]:
+    """The core's loaded LoRA adapters as messages (empty without LoRA)."""
+    lora = core.runner.lora
+    if lora is None:
+        return []
+    return [m.LoRAAdapter(a.name, a.path, a.rank, a.created) for a in lora.adapters()]
+
+
+def apply_lora_control(core, msg: m.LoRAControl) -> m.LoRAReply:
+    """Load or unload an adapter in the core; the reply carries the HTTP status."""
+    from ..lora import LoRAError  # noqa: PLC0415
+
+    lora = core.runner.lora
+    if lora is None:
+        return m.LoRAReply(msg.token, 400, "this server was started without LoRA: add --enable-lora (or "
+                                           "--lora-modules) to kiln serve", "LoRADisabled")
+    try:
+        if msg.op == "load":
+            lora.add_adapter(msg.name, msg.path)
+            return m.LoRAReply(msg.token, 200, f"LoRA adapter {msg.name!r} loaded")
+        if msg.op == "unload":
+            lora.remove_adapter(msg.name)
+            return m.LoRAReply(msg.token, 200, f"LoRA adapter {msg.name!r} unloaded")
+        return m.LoRAReply(msg.token, 400, f"unknown LoRA operation {msg.op!r}", "InvalidRequest")
+    except LoRAError as e:
+        status = 404 if e.reason == "NotFound" and msg.op == "unload" else 400
+        return m.LoRAReply(msg.token, status, str(e), e.reason)
+
+
 class CoreLoop:
     """The busy loop: apply client messages, step, send each client its outputs."""
 
@@ -159,6 +189,7 @@ class CoreLoop:
         self.sock = sock
         self.metrics = metrics
         self.owner: dict[str, bytes] = {}  # sequence id -> client identity
+        self.clients: set[bytes] = set()  # every client seen (they get LoRA adapter list changes)
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
 
@@ -189,13 +220,22 @@ class CoreLoop:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("malformed message from a client ignored: %s", e)
                 continue
-            if isinstance(msg, m.AddRequests):
+            if ident not in self.clients:
+                self.clients.add(ident)
+                if self.core.runner.lora is not None:  # it may have missed changes since the handshake
+                    self.sock.send_multipart([ident, m.encode(m.CoreOutputs(
+                        outputs=[], accepted=[], rejected=[], timestamp=time.monotonic(),
+                        lora_adapters=lora_adapter_list(self.core)))], copy=False)
+            if isinstance(msg, m.LoRAControl):
+                self._on_lora_control(ident, msg)
+            elif isinstance(msg, m.AddRequests):
                 ack = acks.setdefault(ident, m.CoreOutputs(outputs=[], accepted=[], rejected=[]))
                 for req in msg.requests:
                     try:
                         self.core.add_request(req)
                     except InvalidRequestError as e:
-                        ack.rejected.append(m.Rejected(req.request_id, str(e)))
+                        status = 404 if getattr(e, "reason", "") == "NotFound" else 400
+                        ack.rejected.append(m.Rejected(req.request_id, str(e), status))
                         continue
                     self.owner[req.request_id] = ident
                     ack.accepted.append(req.request_id)
@@ -215,6 +255,16 @@ class CoreLoop:
             ack.timestamp = now
             self.sock.send_multipart([ident, m.encode(ack)], copy=False)
         return False
+
+    def _on_lora_control(self, ident: bytes, msg: m.LoRAControl) -> None:
+        """Apply a load/unload, answer the sender, send every client the new list."""
+        reply = apply_lora_control(self.core, msg)
+        adapters = lora_adapter_list(self.core)
+        now = time.monotonic()
+        for client in self.clients:
+            out = m.CoreOutputs(outputs=[], accepted=[], rejected=[], timestamp=now, lora_adapters=adapters,
+                                lora_reply=reply if client == ident else None)
+            self.sock.send_multipart([client, m.encode(out)], copy=False)
 
     def _send_outputs(self, outputs: list[m.CoreOutput]) -> None:
         by_client: dict[bytes, list[m.CoreOutput]] = {}

@@ -200,8 +200,10 @@ class InputProcessor:
         return max_tokens
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float | None = None) -> tuple[str | None, list[int], list[CoreRequest]]:
-        """Tokenize and validate one request and fan it out into its ``n`` core sequences.
+                arrival_time: float | None = None,
+                lora_name: str | None = None) -> tuple[str | None, list[int], list[CoreRequest]]:
+        """Tokenize and validate one request and fan it out into its ``n`` core sequences
+        (computed by the LoRA adapter ``lora_name`` when given; the core resolves it).
 
         Returns:
             ``(prompt text or None, prompt token ids, core requests)``.
@@ -218,7 +220,7 @@ class InputProcessor:
         seqs = [CoreRequest(request_id=child_id(request_id, i), prompt_token_ids=ids, params=params,
                             max_tokens=max_tokens, arrival_time=arrival,
                             seed=(mix_seed(params.seed, i) if params.seed is not None and not params.greedy else None),
-                            record_metrics=i == 0)
+                            record_metrics=i == 0, lora_name=lora_name)
                 for i in range(params.n)]
         return text, ids, seqs
 

@@ -30,6 +30,7 @@ from .http_utils import (AuthError, BodyTimeoutError, BodyTooLargeError, ClientG
 from .serving import ServerLimits
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
+from .serving_lora import add_lora_routes, model_cards
 from .serving_v2 import TritonServing
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,9 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, limits: ServerLimits | 
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [{
-            "id": llm.served_model_name, "object": "model", "created": created, "owned_by": "kiln",
-            "max_model_len": llm.max_model_len,
-        }]}
+        return {"object": "list", "data": model_cards(llm, created)}
+
+    add_lora_routes(app, llm, limits, auth)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):

@@ -76,6 +76,12 @@ class AsyncLLM:
         self.ready = False
         # Called once the core is found dead (after every waiting request has failed).
         self.on_dead = None
+        # LoRA adapters the core serves (updated by the core when they change) and the
+        # load/unload calls of this process waiting for the core's answer.
+        self.lora_enabled = info.lora_enabled
+        self.lora_adapters: list[m.LoRAAdapter] = list(info.lora_adapters)
+        self._lora_waiters: dict[int, asyncio.Future] = {}
+        self._lora_tokens = itertools.count(1)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +112,7 @@ class AsyncLLM:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs (raises before the first yield when
         the request is refused).
 
@@ -114,13 +120,14 @@ class AsyncLLM:
             InvalidRequestError: the request cannot be served (HTTP 400).
             EngineDeadError: the engine core is gone (HTTP 500).
         """
-        waiter, rid = await self.submit(prompt, params, request_id)
+        waiter, rid = await self.submit(prompt, params, request_id, lora_name)
         async for out in self.iterate(rid, waiter):
             yield out
 
     async def submit(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> tuple[_Waiter, str]:
-        """Tokenize, validate, send and wait for the core's acceptance.
+                     request_id: str | None = None, lora_name: str | None = None) -> tuple[_Waiter, str]:
+        """Tokenize, validate, send and wait for the core's acceptance (computed by the LoRA
+        adapter ``lora_name`` when given).
 
         Raises:
             InvalidRequestError, EngineDeadError: as :meth:`generate`.
@@ -131,7 +138,7 @@ class AsyncLLM:
         if rid in self._waiters:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         arrival = time.monotonic()
-        text, ids, seqs = await self.run_tokenizer(self.input.process, rid, prompt, params, arrival)
+        text, ids, seqs = await self.run_tokenizer(self.input.process, rid, prompt, params, arrival, lora_name)
         if self.errored is not None:
             raise EngineDeadError(f"the engine core is gone: {self.errored}")
         loop = asyncio.get_running_loop()
@@ -180,6 +187,7 @@ class AsyncLLM:
     async def _output_loop(self) -> None:
         while True:
             msg = await self.client.recv()
+            self._apply_lora(msg)
             self._apply_admissions(msg)
             if not msg.outputs:
                 continue
@@ -192,6 +200,32 @@ class AsyncLLM:
                         self._waiters.pop(out.request_id, None)
             if to_abort:
                 await self.client.send(m.AbortRequests(to_abort, "stop"))
+
+    def _apply_lora(self, msg: m.CoreOutputs) -> None:
+        if msg.lora_adapters is not None:
+            self.lora_adapters = list(msg.lora_adapters)
+        if msg.lora_reply is not None:
+            fut = self._lora_waiters.pop(msg.lora_reply.token, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.lora_reply)
+
+    async def lora_control(self, op: str, name: str, path: str = "", timeout: float = 600.0) -> m.LoRAReply:
+        """Load (``op`` "load") or unload ("unload") a LoRA adapter in the core and wait for
+        its answer (the core reads the adapter between two steps).
+
+        Raises:
+            EngineDeadError: the core is gone; TimeoutError: no answer in ``timeout`` seconds.
+        """
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine core is gone: {self.errored}")
+        token = next(self._lora_tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_waiters[token] = fut
+        try:
+            await self.client.send(m.LoRAControl(token, op, name, path))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._lora_waiters.pop(token, None)
 
     def _apply_admissions(self, msg: m.CoreOutputs) -> None:
         for sid in msg.accepted:
@@ -211,7 +245,12 @@ class AsyncLLM:
                 w.rejected.append(rej.message)
                 w.num_pending -= 1
                 if w.num_pending == 0 and not w.accepted.done():
-                    w.accepted.set_exception(InvalidRequestError(w.rejected[0]))
+                    if rej.status == 404:  # the adapter was unloaded meanwhile
+                        from .http_utils import ModelNotFoundError  # noqa: PLC0415
+
+                        w.accepted.set_exception(ModelNotFoundError(rej.message))
+                    else:
+                        w.accepted.set_exception(InvalidRequestError(w.rejected[0]))
 
     async def _watch_core(self) -> None:
         while core_alive(self.info.pid):
@@ -236,6 +275,9 @@ class AsyncLLM:
             if not w.accepted.done():
                 w.accepted.set_exception(err)
             w.queue.put_nowait(err)
+        for fut in self._lora_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
         self._waiters.clear()
         self._seq_waiter.clear()
 

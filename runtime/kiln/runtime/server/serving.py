@@ -45,11 +45,19 @@ class ServingBase:
     def model_name(self) -> str:
         return self.llm.served_model_name
 
-    def check_model(self, name: str | None) -> None:
-        """Raises ModelNotFoundError (-> 404) for a model this server does not serve."""
-        if name and name != self.llm.served_model_name:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves "
-                                     f"{self.llm.served_model_name!r}")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model).
+
+        Raises:
+            ModelNotFoundError (-> 404): neither the base model nor a loaded adapter.
+        """
+        if not name or name == self.llm.served_model_name:
+            return None
+        if any(a.name == name for a in self.llm.lora_adapters):
+            return name
+        served = [self.llm.served_model_name] + [a.name for a in self.llm.lora_adapters]
+        raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves "
+                                 f"{', '.join(repr(s) for s in served)}")
 
     async def parse(self, request: Request, cls):
         """The body validated as ``cls`` (see ``read_json_body`` for the errors)."""
@@ -65,7 +73,7 @@ class ServingBase:
                 f"(--max-request-sequences)")
 
     async def start_all(self, request: Request, prompts: list, params: SamplingParams,
-                        ids: list[str]) -> list[AsyncIterator[RequestOutput]]:
+                        ids: list[str], lora_name: str | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Submit every prompt at once (so they are batched together), wait until the core
         accepted all of them, and watch the client: when it disconnects, every iterator
         raises ClientGoneError at once and its sequences are aborted.
@@ -74,7 +82,8 @@ class ServingBase:
             InvalidRequestError / EngineDeadError: a prompt was refused or the core is gone
                 (the others are aborted).
         """
-        started = await asyncio.gather(*(self.llm.submit(p, params, rid) for p, rid in zip(prompts, ids)),
+        started = await asyncio.gather(*(self.llm.submit(p, params, rid, lora_name)
+                                         for p, rid in zip(prompts, ids)),
                                        return_exceptions=True)
         errors = [s for s in started if isinstance(s, BaseException)]
         if errors:

@@ -20,7 +20,7 @@ class OpenAIServingChat(ServingBase):
 
     async def create(self, request: Request):
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
         if len(req.messages) > self.limits.max_chat_messages:
             raise InvalidRequestError(f"the chat has {len(req.messages)} messages; this server takes at most "
                                       f"{self.limits.max_chat_messages} (--max-chat-messages)")
@@ -32,7 +32,7 @@ class OpenAIServingChat(ServingBase):
         self.check_sequences(1, params.n)
         prompt_ids = await self.llm.run_tokenizer(self.llm.input.apply_chat_template, conv)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        (gen,) = await self.start_all(request, [prompt_ids], params, [rid])
+        (gen,) = await self.start_all(request, [prompt_ids], params, [rid], lora_name)
         model = req.model or self.model_name
         if req.stream:
             return StreamingResponse(self._stream(rid, model, gen, params.n, req), media_type="text/event-stream")

@@ -21,7 +21,7 @@ class OpenAIServingCompletion(ServingBase):
 
     async def create(self, request: Request):
         req: CompletionRequest = await self.parse(request, CompletionRequest)
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
         try:
             params = req.to_sampling_params()
             prompts = req.prompts()
@@ -29,7 +29,8 @@ class OpenAIServingCompletion(ServingBase):
             raise InvalidRequestError(str(e)) from e
         self.check_sequences(len(prompts), params.n)
         base = f"cmpl-{uuid.uuid4().hex}"
-        gens = await self.start_all(request, prompts, params, [f"{base}-{i}" for i in range(len(prompts))])
+        gens = await self.start_all(request, prompts, params, [f"{base}-{i}" for i in range(len(prompts))],
+                                    lora_name)
         model = req.model or self.model_name
         tok = self.llm.tokenizer
         # echo: the prompt's text before each choice's (decoded when given as token ids)
