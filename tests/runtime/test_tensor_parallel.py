@@ -60,3 +60,24 @@ def test_tp_greedy_matches_tp1(tiny_model, tp):
 def test_tp_size_that_does_not_split_heads(tiny_model):
     with pytest.raises(ValueError, match="does not split"):
         LLM(model=tiny_model, tensor_parallel_size=3, device="cpu", dtype="float32")
+
+
+def test_tp_float_engine_sharded_at_load(tiny_model, tmp_path):
+    """A ``kiln build`` engine (full tensors, fused QKV and gate-up) sharded at load serves the
+    same greedy tokens at TP = 2 as at TP = 1."""
+    from kiln.runtime.build_cli import main as build_main
+    from kiln.runtime.synthetic_tokenizer import synthetic_tokenizer
+
+    synthetic_tokenizer(259, 257, [258], tmp_path / "tok").save_pretrained(tiny_model)
+    out = tmp_path / "engine"
+    assert build_main(["--model", tiny_model, "--output", str(out), "--device", "cpu"]) == 0
+    res = {}
+    for tp in (1, 2):
+        llm = LLM(engine=str(out), tensor_parallel_size=tp, device="cpu", dtype="float32", num_kv_blocks=24,
+                  max_num_batched_tokens=32, max_model_len=384, cpu_threads=1)
+        try:
+            outs = llm.generate(_prompts(), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            res[tp] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.engine.runner.close()
+    assert res[2] == res[1]

@@ -153,10 +153,6 @@ def _start_tensor_parallel(args: EngineArgs):
         from ..engine_folder import open_engine  # noqa: PLC0415
 
         cfg = open_engine(args.engine, verify=False).model_config
-        quant = (open_engine(args.engine, verify=False).manifest.get("quantization") or {}).get("method", "none")
-        if quant != "none":
-            raise ValueError(f"tensor parallelism does not shard {quant} engines yet; serve it with "
-                             "--tensor-parallel-size 1")
     else:
         cfg = loader.load_model_config(loader.materialize_gguf(loader.resolve_source(args.model)))
     parallel.check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, args.tensor_parallel_size)
