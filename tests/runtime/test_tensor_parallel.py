@@ -81,3 +81,45 @@ def test_tp_float_engine_sharded_at_load(tiny_model, tmp_path):
         finally:
             llm.engine.runner.close()
     assert res[2] == res[1]
+
+
+def test_killed_rank_takes_the_server_down(tiny_model):
+    """``kiln serve --tensor-parallel-size 2``: SIGKILL rank 1, the server exits non-zero with
+    one error naming the rank, and no process of it is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import psutil
+
+    port = 18000 + os.getpid() % 1000
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "serve", "--model", tiny_model, "--device",
+                             "cpu", "--dtype", "float32", "--num-kv-blocks", "32", "--tensor-parallel-size", "2",
+                             "--cpu-threads", "1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        # rank 1: the engine core's spawned child (not multiprocessing's resource tracker)
+        ranks = [p for p in family if p.ppid() != proc.pid and "spawn_main" in " ".join(p.cmdline())]
+        assert len(ranks) == 1, [p.cmdline() for p in family]
+        os.kill(ranks[0].pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "tensor-parallel rank 1" in err
+        time.sleep(1)
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

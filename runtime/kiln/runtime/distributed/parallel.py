@@ -94,8 +94,9 @@ def init_group(rank: int, size: int, port: int, device: torch.device) -> TPConte
     return TPContext(rank, size, control)
 
 
-def start_workers(args, device: torch.device) -> TPContext:
-    """Rank 0: spawn ranks 1..N-1 (``worker_main``) and join the group with them.
+def start_workers(args, device: torch.device, load) -> TPContext:
+    """Rank 0: spawn ranks 1..N-1 (``worker_main``) and join the group with them; ``load`` is
+    the module-level function each worker loads its shard with (``load(args, tp=...)``).
 
     Raises:
         ValueError: more ranks than visible GPUs.
@@ -106,7 +107,7 @@ def start_workers(args, device: torch.device) -> TPContext:
     ctx = mp.get_context("spawn")
     procs = []
     for r in range(1, size):
-        p = ctx.Process(target=worker_main, args=(args, r, port), name=f"kiln-tp-rank-{r}", daemon=False)
+        p = ctx.Process(target=worker_main, args=(args, r, port, device, load), name=f"kiln-tp-rank-{r}", daemon=False)
         p.start()
         procs.append(p)
     try:
@@ -219,7 +220,7 @@ def die_with_parent() -> None:
             pass
 
 
-def worker_main(args, rank: int, port: int) -> None:
+def worker_main(args, rank: int, port: int, device: torch.device, load) -> None:
     """A rank 1..N-1 process: join the group, load this rank's shard exactly as rank 0 does
     (same KV pool size, warm-up and CUDA graphs, so the collectives line up), then run the
     steps rank 0 broadcasts until it sends None."""
@@ -229,11 +230,8 @@ def worker_main(args, rank: int, port: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank{rank}: %(message)s")
-    from ..engine_core.loading import load_model  # noqa: PLC0415
-    from ..model_runner import resolve_device  # noqa: PLC0415
-
-    tp = init_group(rank, args.tensor_parallel_size, port, resolve_device(args.device))
-    lm = load_model(replace(args), tp=tp)
+    tp = init_group(rank, args.tensor_parallel_size, port, device)
+    lm = load(replace(args), tp=tp)
     runner = lm.runner
     while True:
         rows = broadcast_plan(tp, None)

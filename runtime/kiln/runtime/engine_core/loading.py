@@ -156,4 +156,4 @@ def _start_tensor_parallel(args: EngineArgs):
     else:
         cfg = loader.load_model_config(loader.materialize_gguf(loader.resolve_source(args.model)))
     parallel.check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, args.tensor_parallel_size)
-    return parallel.start_workers(args, resolve_device(args.device))
+    return parallel.start_workers(args, resolve_device(args.device), load_model)
