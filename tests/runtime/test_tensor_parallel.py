@@ -123,3 +123,34 @@ def test_killed_rank_takes_the_server_down(tiny_model):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_tp_int4_engine_sharded_at_load(tmp_path):
+    """An int4-awq engine (groups of 32; each rank's K a multiple of the packing's 64-column
+    blocks) sharded at load: TP = 2 gives TP = 1's greedy tokens."""
+    from kiln.runtime.build_cli import main as build_main
+    from kiln.runtime.synthetic_tokenizer import synthetic_tokenizer
+
+    cfg = {**CONFIG, "hidden_size": 128, "intermediate_size": 256}
+    src = tmp_path / "src"
+    src.mkdir()
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(cfg))
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        p.data = torch.ones_like(p) if "norm" in name else torch.randn(p.shape, generator=g) * 0.08
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model).items()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(cfg))
+    synthetic_tokenizer(259, 257, [258], tmp_path / "tok").save_pretrained(str(src))
+    out = tmp_path / "engine"
+    assert build_main(["--model", str(src), "--output", str(out), "--quantization", "int4-awq", "--group-size", "32",
+                       "--calibration-samples", "4", "--device", "cpu"]) == 0
+    res = {}
+    for tp in (1, 2):
+        llm = LLM(engine=str(out), tensor_parallel_size=tp, device="cpu", dtype="float32", num_kv_blocks=24,
+                  max_num_batched_tokens=32, max_model_len=384, cpu_threads=1)
+        try:
+            outs = llm.generate(_prompts(), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            res[tp] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.engine.runner.close()
+    assert res[2] == res[1]
