@@ -204,7 +204,17 @@ def test_serve_args_parse_with_the_real_kiln_serve_parser():
     assert ns.scheduler_policy == "guaranteed_no_evict" and ns.device == "cuda"
     from kiln.operator.spec import EngineSpecError, parse_spec
 
-    with pytest.raises(EngineSpecError, match="tensorParallelSize"):  # kiln serve has no such flag yet
+    # tensor parallelism: the flag parses, one GPU per rank, /dev/shm memory-backed
+    tp = {**SPEC, "model": {"huggingFace": {"repo": "org/llama"}}, "runtime": {"tensorParallelSize": 2}}
+    dep = b.deployment(tp, H, OWNER, replicas=1)
+    ns = cli.build_parser().parse_args(["serve"] + container(dep)["args"])
+    assert ns.tensor_parallel_size == 2
+    assert container(dep)["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    vols = dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in vols
+    # the builtin SmolLM2 has 9 heads and 3 KV heads: 3 splits them, 2 does not (before any pod)
+    assert parse_spec({**SPEC, "runtime": {"tensorParallelSize": 3}}).runtime.tensor_parallel_size == 3
+    with pytest.raises(EngineSpecError, match="does not split the model's 9 attention heads"):
         parse_spec({**SPEC, "runtime": {"tensorParallelSize": 2}})
 
 

@@ -349,6 +349,11 @@ def _model(raw: Mapping[str, Any]) -> ModelSpec:
         text=source_text(m))
 
 
+# (attention heads, KV heads) of the builtin models, for runtime.tensorParallelSize; other
+# sources are checked by kiln serve at start (exit 2, one line).
+BUILTIN_HEADS = {"smollm2-135m-instruct": (9, 3)}
+
+
 def _runtime(raw: Mapping[str, Any], engine: BuildSpec) -> RuntimeSpec:
     rt = _section(raw, "runtime", "runtime")
     env = []
@@ -371,9 +376,12 @@ def _runtime(raw: Mapping[str, Any], engine: BuildSpec) -> RuntimeSpec:
         shm_size=str(rt.get("shmSize") or "2Gi"))
     if out.api_key is not None and any(e.name == "KILN_API_KEY" for e in out.env):
         raise EngineSpecError("runtime.env: KILN_API_KEY is set by runtime.apiKeySecretRef; set one of them")
-    if out.tensor_parallel_size > 1:  # every pod would exit on an unknown flag
-        raise EngineSpecError(f"runtime.tensorParallelSize {out.tensor_parallel_size}: this kiln serve has no "
-                              "tensor parallelism yet (--tensor-parallel-size is planned); use 1")
+    heads = BUILTIN_HEADS.get(engine.source.name or "") if engine.source.kind == "builtin" else None
+    tp = out.tensor_parallel_size
+    if tp > 1 and heads is not None and (heads[0] % tp or (heads[1] % tp and tp % heads[1])):
+        raise EngineSpecError(f"runtime.tensorParallelSize {tp} does not split the model's {heads[0]} attention "
+                              f"heads and {heads[1]} KV heads (it must divide the heads, and divide the KV heads "
+                              "or be a multiple of them)")
     # kiln serve refuses to serve past an engine's build limits: every pod would crash
     for rt_field, value, build_field, limit in (
             ("maxModelLen", out.max_model_len, "maxSeqLen", engine.max_seq_len),

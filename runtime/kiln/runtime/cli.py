@@ -50,6 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --engine: skip hashing the weight files against the manifest at load (sizes are "
                         "still checked)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process each (NCCL on CUDA: N GPUs; gloo on the CPU)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly (debugging)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (no CPU/GPU overlap; "
@@ -80,7 +82,8 @@ def engine_args_from(ns: argparse.Namespace):
         load_format=ns.load_format, seed=ns.seed, served_model_name=getattr(ns, "served_model_name", None),
         enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,
         pdl=not ns.no_pdl, fused_rope_kv=not ns.no_fused_rope_kv, w4a16_dequant_min_m=ns.w4a16_dequant_min_m,
-        quantization=getattr(ns, "quantization", None) or "none", **threads, **lora_args_from(ns),
+        quantization=getattr(ns, "quantization", None) or "none", tensor_parallel_size=ns.tensor_parallel_size,
+        **threads, **lora_args_from(ns),
     )
 
 

@@ -88,6 +88,9 @@ class EngineArgs:
     # programmatic dependent launch on Hopper; rotary embedding and KV-cache write in one
     # kernel; the token count from which an int4 GEMM dequantizes its weight for cuBLAS.
     pdl: bool = True
+    # Ranks of tensor parallelism (one process each; rank 0 is the engine core): NCCL on CUDA,
+    # gloo on the CPU (``distributed.parallel``).
+    tensor_parallel_size: int = 1
     fused_rope_kv: bool = True
     w4a16_dequant_min_m: int = 65
     # Multi-LoRA serving (``kiln.runtime.lora``): adapters loaded at start (``{name: PEFT
@@ -119,6 +122,8 @@ class EngineArgs:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be at least 1 (leave it out for one thread per core), "
                              f"got {self.cpu_threads}")
+        if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.model and self.engine:
             raise ValueError("give either model or engine, not both")
         if self.device not in ("auto", "cpu", "cuda"):

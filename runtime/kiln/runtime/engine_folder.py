@@ -77,6 +77,7 @@ class EngineFolder:
 
         from .quantization import QuantSettings, convert_for_runtime  # noqa: PLC0415
         from .quantization import kv_fp8  # noqa: PLC0415
+        from .distributed.shard import shard_tensor  # noqa: PLC0415
 
         model = runner.model
         convert_for_runtime(model, QuantSettings.from_manifest(self.manifest["quantization"]))
@@ -95,6 +96,8 @@ class EngineFolder:
                     dst = targets.get(name)
                     if dst is None:
                         raise EngineFormatError(f"engine {self.path}: tensor {name!r} has no place in the model")
+                    if runner.tp.enabled:  # engines are sharded at load (distributed.shard)
+                        t = shard_tensor(model, name, t)
                     if dst.shape != t.shape:
                         raise EngineFormatError(
                             f"engine {self.path}: tensor {name!r} has shape {tuple(t.shape)}, model wants {tuple(dst.shape)}")

@@ -22,6 +22,8 @@ from .attention import AttentionMetadata
 from .config import EngineArgs
 from .core.request import PLACEHOLDER_TOKEN_ID
 from .core.sched_output import ScheduledRequest, SchedulerOutput
+from .distributed import parallel
+from .distributed.parallel import TPContext
 from .decode_graphs import SLOW_GEMM_BATCH_SIZES, DecodeGraphs, decode_graph_sizes  # noqa: F401
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
@@ -99,10 +101,14 @@ class ModelRunner:
             ``args.kernel_options()`` goes to every layer of the model).
     """
 
-    def __init__(self, model_config: ModelConfig, args: EngineArgs):
+    def __init__(self, model_config: ModelConfig, args: EngineArgs, tp: TPContext | None = None):
         self.model_config = model_config
         self.args = args
+        # tensor parallelism: this process's rank (rank 0 drives ranks 1..N-1, ``distributed.parallel``)
+        self.tp = tp or TPContext()
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and self.tp.enabled:
+            self.device = torch.device("cuda", self.tp.rank)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
@@ -110,7 +116,10 @@ class ModelRunner:
             torch.set_num_threads(args.cpu_threads)
         self.kernel_options = args.kernel_options()
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_config, kernel_options=self.kernel_options).to(self.dtype)
+            self.model = LlamaForCausalLM(model_config, self.tp.size, self.tp.rank,
+                                          kernel_options=self.kernel_options).to(self.dtype)
+        # KV heads held by this rank (all ranks replicate a head when tp exceeds the KV heads)
+        self.num_kv_heads = max(1, model_config.num_key_value_heads // self.tp.size)
         self.model.eval()
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -158,7 +167,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.kv_cache_dtype()).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_hidden_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def kv_cache_dtype(self) -> torch.dtype:
         # An engine with an FP8 KV cache sets ``kv_cache_torch_dtype`` (engine_folder.EngineFolder.load_into).
@@ -170,6 +179,14 @@ class ModelRunner:
         activation estimate; on CPU ``cpu_kv_cache_bytes``."""
         if self.args.num_kv_blocks:
             return self.args.num_kv_blocks
+        n = self._local_num_kv_blocks()
+        if self.tp.enabled:  # every rank allocates the same pool: the smallest budget wins
+            t = torch.tensor([n], dtype=torch.int64)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.control)
+            n = int(t.item())
+        return n
+
+    def _local_num_kv_blocks(self) -> int:
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -191,7 +208,7 @@ class ModelRunner:
                 message gives their size in GiB and the flag to lower.
         """
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = []
         layers = list(self.model.attention_layers())
         try:
@@ -204,7 +221,7 @@ class ModelRunner:
             self.kv_caches = []
             for attn in layers:
                 attn.k_cache = attn.v_cache = None
-            gib = 2 * len(layers) * num_blocks * self.block_size * cfg.num_key_value_heads * cfg.head_dim \
+            gib = 2 * len(layers) * num_blocks * self.block_size * self.num_kv_heads * cfg.head_dim \
                 * torch.empty((), dtype=self.kv_cache_dtype()).element_size() / 2**30
             raise ValueError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB on {self.device.type}) does not fit "
                              f"in memory ({str(e).splitlines()[0][:200]}); lower --num-kv-blocks (or the KV "
@@ -369,6 +386,26 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not out.scheduled:
             return PendingStep([], None, None, t0)
+        if self.tp.enabled:
+            parallel.broadcast_plan(self.tp, parallel.plan_of(out))
+        logits, ids = self._forward_logits(out)
+        if logits is None:
+            return PendingStep([], None, None, t0)
+        ds = sample_on_device(logits, [rows[i] for i in ids])
+        if self.tp.enabled:  # the other ranks keep the sampled ids as placeholder inputs
+            torch.distributed.broadcast(ds.token_ids, src=0)
+        self._last_sampled = ds.token_ids
+        self._last_rows = {rid: j for j, rid in enumerate(ids)}
+        event = None
+        if ds.token_ids.is_cuda:
+            ds = ds.start_copy()
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(ids, ds, event, t0)
+
+    def _forward_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
+        """The forward pass of a step (graph replay or eager) and the float32 logits [S, vocab]
+        of its sampling rows with their request ids; ``(None, [])`` when no row samples."""
         hidden = self.decode_graphs.run(out) if self.decode_graphs is not None else None
         if hidden is not None:
             ordered = out.scheduled
@@ -379,17 +416,28 @@ class ModelRunner:
         ids = [sr.request.request_id for sr in ordered if sr.needs_sample]
         if not logit_rows:
             self._last_sampled, self._last_rows = None, {}
-            return PendingStep([], None, None, t0)
+            return None, []
         if len(logit_rows) == hidden.shape[0]:  # every row samples (pure decode): no gather
             h = hidden
         else:
             h = hidden.index_select(0, self.h2d(logit_rows, torch.int64))
-        ds = sample_on_device(self.model.compute_logits(h), [rows[i] for i in ids])
-        self._last_sampled = ds.token_ids
+        return self.model.compute_logits(h), ids
+
+    @torch.inference_mode()
+    def execute_worker(self, out: SchedulerOutput) -> None:
+        """Ranks 1..N-1: the same step as rank 0's ``execute_async`` (same collectives in the
+        same order), without sampling: the sampled ids arrive by broadcast from rank 0."""
+        logits, ids = self._forward_logits(out)
+        if logits is None:
+            return
+        sampled = torch.empty(len(ids), dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(sampled, src=0)
+        self._last_sampled = sampled
         self._last_rows = {rid: j for j, rid in enumerate(ids)}
-        event = None
-        if ds.token_ids.is_cuda:
-            ds = ds.start_copy()
-            event = torch.cuda.Event()
-            event.record()
-        return PendingStep(ids, ds, event, t0)
+
+    def close(self) -> None:
+        """Rank 0: stop the tensor-parallel workers and leave the process group (no-op at tp 1)."""
+        if self.tp.enabled and self.tp.rank == 0 and torch.distributed.is_initialized():
+            parallel.shutdown(self.tp)
+            torch.distributed.destroy_process_group()
+            self.tp.workers = []

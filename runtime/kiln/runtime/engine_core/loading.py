@@ -67,7 +67,7 @@ def load_tokenizer(source: tuple[str, str]):
     return None
 
 
-def load_model(args: EngineArgs) -> LoadedModel:
+def load_model(args: EngineArgs, tp=None) -> LoadedModel:
     """Load weights, size and allocate the KV pool, warm the kernels up, capture graphs.
 
     The served context is ``max_model_len`` (default: min(model's context, 4096), capped by an
@@ -75,10 +75,15 @@ def load_model(args: EngineArgs) -> LoadedModel:
     length, an explicit ``max_model_len`` is refused with the numbers, and the default is
     capped to what the pool holds (logged).
 
+    With ``args.tensor_parallel_size > 1`` rank 0 (``tp`` None) checks the heads, starts the
+    worker ranks (``distributed.parallel.start_workers``), and every rank loads its shard.
+
     Raises:
         ModelSourceError, UnsupportedModelError, ValueError: bad model or settings.
     """
     t0 = time.perf_counter()
+    if args.tensor_parallel_size > 1 and tp is None:
+        tp = _start_tensor_parallel(args)
     engine_limit = 0  # an engine's build max_seq_len (tokens)
     if args.engine:
         from ..engine_folder import open_engine  # noqa: PLC0415  (kiln build's output)
@@ -96,7 +101,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
         tokenizer = eng.load_tokenizer()
         tok_source = ("engine", str(args.engine))
         model_ref = eng.model_ref
-        runner = ModelRunner(cfg, args)
+        runner = ModelRunner(cfg, args, tp)
         eng.load_into(runner)
     else:
         args = resolve_batch_limits(args)
@@ -106,7 +111,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
         check_max_model_len(args, cfg)
         tokenizer = loader.load_tokenizer(src)
         tok_source = ("source", str(args.model or loader.DEFAULT_MODEL)) if tokenizer is not None else ("none", "")
-        runner = ModelRunner(cfg, args)
+        runner = ModelRunner(cfg, args, tp)
         if args.load_format == "dummy":
             runner.init_dummy_weights(args.seed)
         else:
@@ -140,3 +145,19 @@ def load_model(args: EngineArgs) -> LoadedModel:
              max_model_len)
     return LoadedModel(args, runner, cfg, model_ref, max_model_len, sorted(eos), tokenizer, tok_source,
                        time.perf_counter() - t0)
+
+
+def _start_tensor_parallel(args: EngineArgs):
+    """Check that the model splits over the ranks (before any weight is read), then start the
+    workers.  Raises ValueError for heads the size does not split or too few GPUs."""
+    from ..distributed import parallel  # noqa: PLC0415
+    from ..model_runner import resolve_device  # noqa: PLC0415
+
+    if args.engine:
+        from ..engine_folder import open_engine  # noqa: PLC0415
+
+        cfg = open_engine(args.engine, verify=False).model_config
+    else:
+        cfg = loader.load_model_config(loader.materialize_gguf(loader.resolve_source(args.model)))
+    parallel.check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, args.tensor_parallel_size)
+    return parallel.start_workers(args, resolve_device(args.device), load_model)

@@ -149,6 +149,7 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
         t.join(2)
     sock.close()
     ctx.term()
+    core.runner.close()  # tensor-parallel workers
     os._exit(0)
 
 

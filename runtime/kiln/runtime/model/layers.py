@@ -3,8 +3,10 @@ Shoeybi et al., 2019; the layout follows vLLM / nano-vllm): a column-parallel la
 its output features over ``tp_size`` ranks, a row-parallel layer shards its input features
 and all-reduces.  Each parameter carries a ``weight_loader(param, loaded_weight, shard_id)``
 that copies this rank's slice of a checkpoint tensor, so fused projections (QKV, gate-up)
-load from the checkpoint's separate tensors.  With ``tp_size == 1`` (all that ships today)
-the all-reduce is the identity.
+load from the checkpoint's separate tensors.  With ``tp_size == 1`` the all-reduce is the
+identity; with more ranks the collectives run on ``torch.distributed``'s default group
+(``kiln.runtime.distributed.parallel``).  Engines are sharded at load: the loaders narrow
+each full tensor to this rank's slice.
 
 Every module that launches kernels carries ``kernel_options`` (``kiln.kernels.options.
 KernelOptions``, the defaults until ``set_kernel_options`` applies an engine's choice)."""
@@ -173,24 +175,42 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        if self.tp_size > 1:  # pragma: no cover - multi-GPU path
+        if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding table ``[vocab, hidden]`` (vocab sharded over ranks when tp > 1)."""
+    """Token embedding table ``[vocab, hidden]``; with ``tp_size > 1`` rank r holds rows
+    ``[r*P, (r+1)*P)`` with ``P = ceil(vocab / tp)`` (the last shard zero-padded), looks up
+    the ids it owns, zeroes the others and all-reduces (Megatron-LM's vocab-parallel embedding)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        if tp_size != 1:
-            raise NotImplementedError("vocabulary sharding arrives with tensor parallelism")
         self.num_embeddings = num_embeddings
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        _set_loader(self.weight, default_weight_loader)
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.num_per_rank = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.num_per_rank
+        self.weight = nn.Parameter(torch.empty(self.num_per_rank, embedding_dim), requires_grad=False)
+        _set_loader(self.weight, self.weight_loader if tp_size > 1 else default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's rows of the full ``[vocab, hidden]`` table (padding rows zeroed)."""
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(f"shape mismatch: vocabulary {self.num_embeddings} vs checkpoint {tuple(loaded_weight.shape)}")
+        n = max(0, min(self.num_per_rank, self.num_embeddings - self.vocab_start))
+        param.data.zero_()
+        default_weight_loader(param.data.narrow(0, 0, n), loaded_weight.narrow(0, self.vocab_start, n))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_per_rank)
+        out = F.embedding(local * mine, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        torch.distributed.all_reduce(out)
+        return out
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -206,10 +226,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     kernel_options: KernelOptions = DEFAULT_OPTIONS
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` [S, hidden] (model dtype) -> float32 logits [S, vocab]."""
+        """``hidden`` [S, hidden] (model dtype) -> float32 logits [S, vocab]; with
+        ``tp_size > 1`` every rank computes its vocabulary shard and the shards are
+        all-gathered (padding columns dropped)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, hidden, out_dtype=torch.float32)
-        return ops.linear(hidden, self.weight, None, self.kernel_options, out_dtype=torch.float32)
+            logits = self.quant_method.apply(self, hidden, out_dtype=torch.float32)
+        else:
+            logits = ops.linear(hidden, self.weight, None, self.kernel_options, out_dtype=torch.float32)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[:, : self.num_embeddings]
 
 
 class RMSNorm(nn.Module):
