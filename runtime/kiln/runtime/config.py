@@ -124,6 +124,9 @@ class EngineArgs:
                              f"got {self.cpu_threads}")
         if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.enable_lora or self.lora_modules):
+            raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet "
+                             "(the workers hold no adapter slots)")
         if self.model and self.engine:
             raise ValueError("give either model or engine, not both")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -172,6 +172,7 @@ class PlannedRequest:
     tokens: list[int]
     num_tokens: int
     num_prompt_tokens: int
+    lora_id: int = 0  # the base (LoRA is refused with tensor parallelism: EngineArgs)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return self.tokens[start - self.start:end - self.start]
