@@ -21,7 +21,8 @@ AutoAWQ (``quant_method: awq``, ``version: gemm``,      ``int4``               r
 ``int4`` is the packed format of ``kiln.kernels.int4_format`` (the W4A16 kernels of
 ``int4-awq`` / ``int4-gptq`` engines); the codes are the checkpoint's, the scales are rounded
 once to float16 (a checkpoint's bfloat16 / float32 scales).  ``int8`` is ``int8-smoothquant``'s
-GEMM without a runtime smoothing vector (llm-compressor folds SmoothQuant into the norms).
+GEMM without a runtime smoothing vector (llm-compressor folds SmoothQuant into the norms) and
+with the activations on compressed-tensors' grid (``max|x| / 127.5``, codes -128..127).
 
 Every decoder linear must carry the one scheme; the embeddings, norms and LM head must be
 float (llm-compressor's default ``ignore: [lm_head]``).  Anything else (static activation

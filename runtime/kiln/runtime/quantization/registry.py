@@ -51,11 +51,12 @@ def _no_handler(settings: QuantSettings) -> QuantHandler:
 
 
 # Serving formats of pre-quantized checkpoints (``checkpoint``): the weights arrive quantized,
-# so there is no offline handler.  ``int8``: W8A8 INT8 without runtime smoothing vectors;
+# so there is no offline handler.  ``int8``: W8A8 INT8 without runtime smoothing vectors, the
+# activations on compressed-tensors' symmetric grid (``quantize_rows_int8(full_range=True)``);
 # ``int4``: the packed W4A16 format of int4-awq / int4-gptq engines.  Checkpoints in FP8 W8A8
 # are served by ``fp8`` itself.
 CHECKPOINT_METHOD_TABLE: dict[str, Method] = {
-    "int8": Method(_no_handler, lambda settings, name: Int8LinearMethod(runtime_smooth=False)),
+    "int8": Method(_no_handler, lambda settings, name: Int8LinearMethod(runtime_smooth=False, full_range=True)),
     "int4": Method(_no_handler, lambda settings, name: Int4LinearMethod(settings.group_size)),
 }
 
