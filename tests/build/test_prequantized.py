@@ -254,3 +254,55 @@ def test_auto_in_the_spec_and_the_job_arguments():
     args = add_build_args(argparse.ArgumentParser()).parse_args(spec.to_build_args("/engines/h"))
     assert args.quantization == "auto" and args.group_size is None
     assert BuildSpec.from_cli(args.model, quantization=args.quantization).hash() == spec.hash()
+
+
+@pytest.fixture(scope="session")
+def smollm_prequant(tmp_path_factory, smollm_hf) -> dict[str, Path]:
+    """llm-compressor's FP8_DYNAMIC, W8A8 and W4A16 (group 64: SmolLM2's 576 hidden features
+    take no 128) of the embedded SmolLM2, data-free."""
+    root = tmp_path_factory.mktemp("smollm-prequant")
+    src = Path(smollm_hf.path)
+    return {"FP8_DYNAMIC": producers.llmcompressor_checkpoint(src, root / "fp8", "FP8_DYNAMIC"),
+            "W8A8": producers.llmcompressor_checkpoint(src, root / "w8a8", "W8A8"),
+            "W4A16": producers.llmcompressor_checkpoint(src, root / "w4a16", "W4A16", group_size=64)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W8A8", "W4A16"])
+def test_smollm_greedy_matches_transformers(smollm_prequant, scheme):
+    """On the runtime's 16 parity prompts, ``LLM(model=<checkpoint>)`` gives transformers'
+    greedy tokens on the same llm-compressor checkpoint; where a continuation differs, it
+    differs at a near tie of transformers' own logits (top two within 0.1), which the float16
+    int4 scales or the accumulation order can flip."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
+    from prompts import CHATS, MAX_NEW_TOKENS, RAW_PROMPTS
+
+    from kiln.runtime import LLM, SamplingParams
+
+    path = smollm_prequant[scheme]
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=128)
+    tok = llm.tokenizer
+    prompts = [list(tok.encode(p)) for p in RAW_PROMPTS]
+    for chat in CHATS:
+        t = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(t["input_ids"] if hasattr(t, "keys") else t))
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+    hf = hf_model(path)
+    same = 0
+    with torch.inference_mode():
+        for ids, g in zip(prompts, got):
+            inp = torch.tensor([ids])
+            want = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=MAX_NEW_TOKENS,
+                               do_sample=False, min_new_tokens=MAX_NEW_TOKENS, pad_token_id=2)[0, len(ids):].tolist()
+            if want == g:
+                same += 1
+                continue
+            i = next(j for j, (a, b) in enumerate(zip(want, g)) if a != b)
+            logits = hf(torch.tensor([ids + want[:i]])).logits[0, -1].float()
+            margin = float(logits[want[i]] - logits[g[i]])
+            assert margin < 0.1, (scheme, ids[:8], i, margin)
+    print(f"{scheme}: {same}/{len(prompts)} prompts token-for-token")
+    assert same >= len(prompts) - 2

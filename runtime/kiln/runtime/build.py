@@ -269,12 +269,12 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         hf = loader.materialize_gguf(src)
         cfg_dict = loader.load_hf_config_dict(hf)
         cfg = ModelConfig.from_hf_dict(cfg_dict)
+        cq = loader.checkpoint_quantization(hf)  # an unsupported checkpoint fails before the heavy work
+        _check_prequantized(spec, cq, src.ref)
         tok = loader.load_tokenizer(hf)
-        cq = loader.checkpoint_quantization(hf)
     except (loader.ModelSourceError, UnsupportedModelError) as e:
         raise BadInputError(str(e)) from e
     kv = spec.kv_cache_dtype == "fp8"
-    _check_prequantized(spec, cq, src.ref)
     if tok is None:  # checked before calibration and quantization, which take minutes
         raise BadInputError(f"no tokenizer in {hf.path} (tokenizer.json, tokenizer_config.json or tokenizer.model): "
                             f"an engine ships its model's tokenizer; add the tokenizer files to the folder")
