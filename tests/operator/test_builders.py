@@ -139,7 +139,8 @@ def test_build_job_args_are_kiln_builds_flags_and_give_the_operators_hash():
 
     build = pytest.importorskip("kiln.runtime.build_cli")
     for spec in [SPEC, {"model": {"builtin": "smollm2-135m-instruct", "checksum": "sha256:" + "a" * 64},
-                        "build": {"quantization": "int8-smoothquant", "smoothquantAlpha": "750m", "kvCacheDtype": "fp8"}}]:
+                        "build": {"quantization": "int8-smoothquant", "smoothquantAlpha": "750m", "kvCacheDtype": "fp8"}},
+                 {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "auto"}}]:
         h = engine_hash(spec)
         args = container(b.build_job(spec, h, OWNER))["args"]
         a = build.add_build_args(argparse.ArgumentParser()).parse_args(args)

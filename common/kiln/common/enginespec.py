@@ -50,7 +50,8 @@ __all__ = [
 ]
 
 # --- build knobs --------------------------------------------------------------------------
-QUANTIZATION_METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq")
+# auto: keep a pre-quantized checkpoint's own method (compressed-tensors, GPTQ, AWQ), none on float weights
+QUANTIZATION_METHODS = ("none", "fp8", "int8-smoothquant", "int4-awq", "int4-gptq", "auto")
 CALIBRATING_METHODS = ("fp8", "int8-smoothquant", "int4-awq", "int4-gptq")  # need calibration text
 GROUPED_METHODS = ("int4-awq", "int4-gptq")  # take a group size
 GROUP_SIZES = (32, 64, 128)
@@ -295,7 +296,8 @@ class BuildSpec:
 
     Fields:
         source: the model source.
-        quantization: one of ``QUANTIZATION_METHODS``.
+        quantization: one of ``QUANTIZATION_METHODS`` (``auto``: what a pre-quantized checkpoint
+            has, ``none`` for float weights; the build decides, from the source's config).
         group_size: int4 group size in columns (32, 64 or 128); only for ``int4-*``.
         smoothquant_alpha: SmoothQuant migration strength as a canonical decimal string.
         kv_cache_dtype: ``auto`` (the model dtype) or ``fp8`` (calibrated scales).

@@ -269,9 +269,12 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         hf = loader.materialize_gguf(src)
         cfg_dict = loader.load_hf_config_dict(hf)
         cfg = ModelConfig.from_hf_dict(cfg_dict)
+        cq = loader.checkpoint_quantization(hf)  # an unsupported checkpoint fails before the heavy work
+        _check_prequantized(spec, cq, src.ref)
         tok = loader.load_tokenizer(hf)
     except (loader.ModelSourceError, UnsupportedModelError) as e:
         raise BadInputError(str(e)) from e
+    kv = spec.kv_cache_dtype == "fp8"
     if tok is None:  # checked before calibration and quantization, which take minutes
         raise BadInputError(f"no tokenizer in {hf.path} (tokenizer.json, tokenizer_config.json or tokenizer.model): "
                             f"an engine ships its model's tokenizer; add the tokenizer files to the folder")
@@ -280,7 +283,8 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     if spec.max_seq_len > cfg.max_position_embeddings and spec.max_seq_len != BUILD_DEFAULTS["maxSeqLen"]:
         raise BadInputError(f"--max-seq-len {spec.max_seq_len} is longer than the model's context of "
                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
-    settings = QuantSettings(method=spec.quantization, group_size=spec.group_size, alpha=float(spec.smoothquant_alpha),
+    method = "none" if spec.quantization == "auto" else spec.quantization  # auto on float weights: none
+    settings = QuantSettings(method=method, group_size=spec.group_size, alpha=float(spec.smoothquant_alpha),
                              lm_head=spec.lm_head_quantized)
     dev = resolve_device(device)
     try:
@@ -291,19 +295,25 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         handler.check(model)
     except QuantizationError as e:
         raise BadInputError(str(e)) from e
-    say(f"loading weights of {cfg.model_type} ({cfg.num_params() / 1e6:.0f}M parameters) on {dev}")
-    try:
-        loaded = model.load_weights(loader.iter_weights(hf))
-    except (ValueError, RuntimeError) as e:
-        raise BadInputError(f"corrupt or mismatched source {src.ref}: {e}") from e
-    missing = {n for n, _ in model.named_parameters()} - loaded
-    if missing:
-        raise BadInputError(f"corrupt source {src.ref}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    say(f"loading weights of {cfg.model_type} ({cfg.num_params() / 1e6:.0f}M parameters) on {dev}"
+        + (f", pre-quantized {cq.describe()} (kept as it is)" if cq is not None else ""))
+    if cq is not None:
+        try:
+            settings = loader.load_prequantized(model, hf, cq)
+        except loader.ModelSourceError as e:
+            raise BadInputError(str(e)) from e
+    else:
+        try:
+            loaded = model.load_weights(loader.iter_weights(hf))
+        except (ValueError, RuntimeError) as e:
+            raise BadInputError(f"corrupt or mismatched source {src.ref}: {e}") from e
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise BadInputError(f"corrupt source {src.ref}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    kv = spec.kv_cache_dtype == "fp8"
     samples = None
     calib_info = None
-    if handler.needs_calibration or kv:
+    if (handler.needs_calibration and cq is None) or kv:
         data = spec.calibration.path if spec.calibration else calibration.default_calibration_path()
         try:
             samples, per_domain = calibration.calibration_samples_by_domain(tok, spec.calibration_samples, data=data)
@@ -332,7 +342,8 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
             say(f"{stage}: layer {done}/{total}")
 
     with torch.no_grad():
-        kv_absmax = calibration.quantize_model(model, handler, samples, kv, layer_progress, lm_head=settings.lm_head)
+        kv_absmax = None if cq is not None else \
+            calibration.quantize_model(model, handler, samples, kv, layer_progress, lm_head=settings.lm_head)
 
     store_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.float32)
     tensors = _engine_tensors(model, store_dtype)
@@ -362,3 +373,23 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     manifest["tokenizer_sha256"] = {f: sha256_file(tmp / f) for f in tok_files if (tmp / f).is_file()}
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _check_prequantized(spec: BuildSpec, cq, ref: str) -> None:
+    """A pre-quantized checkpoint (``cq``, or None) is built only with ``quantization: auto``
+    (its own weights, no second quantization; vLLM likewise refuses a ``--quantization`` that
+    differs from the checkpoint's) and without an FP8 KV cache, whose scales would need
+    calibration through the quantized layers.
+
+    Raises:
+        BadInputError: naming the checkpoint's method and the spelling that builds it.
+    """
+    if cq is None:
+        return
+    if spec.quantization != "auto":
+        raise BadInputError(f"{ref} is a pre-quantized {cq.describe()} checkpoint; Kiln keeps its weights and "
+                            f"does not quantize them again: build it with --quantization auto "
+                            f"(build.quantization: auto), not {spec.quantization}")
+    if spec.kv_cache_dtype == "fp8":
+        raise BadInputError(f"{ref} is a pre-quantized {cq.describe()} checkpoint: --kv-cache-dtype fp8 is not "
+                            f"supported with it (calibrated KV scales need float weights); use --kv-cache-dtype auto")

@@ -36,10 +36,12 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``kiln build``'s flags to ``parser`` (defaults equal ``kiln.common.enginespec.BUILD_DEFAULTS``)."""
     d = BUILD_DEFAULTS
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
-                        help="builtin:<name>, a .gguf file or a Hugging Face folder (default: %(default)s)")
+                        help="builtin:<name>, a .gguf file or a Hugging Face folder, possibly pre-quantized "
+                             "(compressed-tensors, GPTQ, AWQ: build it with --quantization auto) (default: %(default)s)")
     parser.add_argument("--output", required=True, help="engine folder to create (written atomically)")
     parser.add_argument("--quantization", default=d["quantization"],
-                        help=f"one of {', '.join(QUANTIZATION_METHODS)} (default: %(default)s)")
+                        help=f"one of {', '.join(QUANTIZATION_METHODS)}; auto keeps a pre-quantized checkpoint's "
+                             f"method (none on float weights) (default: %(default)s)")
     parser.add_argument("--group-size", type=int, default=None,  # None: not given (the default, int4 methods only)
                         help=f"int4 group size: 32, 64 or 128; must divide every layer's input features "
                              f"(default: {d['groupSize']})")

@@ -266,3 +266,38 @@ def iter_weights(src: ResolvedSource) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelSourceError(f"cannot read GGUF weights from {src.path} (truncated or corrupt file?): {e}") from e
     for name, t in parsed["tensors"].items():
         yield name, torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
+
+
+def checkpoint_quantization(src: ResolvedSource):
+    """The pre-quantization a Hugging Face folder's config declares
+    (``quantization.checkpoint.CheckpointQuant``: compressed-tensors, GPTQ, AWQ), or None for
+    float weights and GGUF sources.
+
+    Raises:
+        ModelSourceError: an unknown ``quant_method`` or unsupported setting (names the field).
+    """
+    if src.kind != "hf":
+        return None
+    from .quantization.checkpoint import CheckpointFormatError, detect  # noqa: PLC0415
+
+    try:
+        return detect(load_hf_config_dict(src))
+    except CheckpointFormatError as e:
+        raise ModelSourceError(f"{src.ref}: {e}") from e
+
+
+def load_prequantized(model, src: ResolvedSource, cq):
+    """Load a pre-quantized checkpoint (``checkpoint_quantization(src)`` = ``cq``) into a
+    freshly built model without quantizing again (``quantization.checkpoint.load_checkpoint``).
+
+    Returns:
+        the ``QuantSettings`` the model now runs.
+    Raises:
+        ModelSourceError: a missing, extra or misshapen tensor (named), unreadable files.
+    """
+    from .quantization.checkpoint import CheckpointFormatError, load_checkpoint  # noqa: PLC0415
+
+    try:
+        return load_checkpoint(model, iter_weights(src), cq)
+    except CheckpointFormatError as e:
+        raise ModelSourceError(f"corrupt or mismatched {cq.describe()} checkpoint {src.ref}: {e}") from e

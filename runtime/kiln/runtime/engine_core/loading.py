@@ -111,9 +111,12 @@ def load_model(args: EngineArgs, tp=None) -> LoadedModel:
         check_max_model_len(args, cfg)
         tokenizer = loader.load_tokenizer(src)
         tok_source = ("source", str(args.model or loader.DEFAULT_MODEL)) if tokenizer is not None else ("none", "")
+        cq = loader.checkpoint_quantization(src) if args.load_format != "dummy" else None
         runner = ModelRunner(cfg, args, tp)
         if args.load_format == "dummy":
             runner.init_dummy_weights(args.seed)
+        elif cq is not None:  # compressed-tensors / GPTQ / AWQ: served in its own format
+            loader.load_prequantized(runner.model, src, cq)
         else:
             runner.load_weights(loader.iter_weights(src))
     if args.lora_enabled:

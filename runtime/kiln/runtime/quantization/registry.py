@@ -20,7 +20,7 @@ from .gptq import GptqHandler
 from .int4 import Int4LinearMethod
 from .smoothquant import RUNTIME_SMOOTHED, Int8LinearMethod, SmoothQuantHandler
 
-__all__ = ["Method", "METHOD_TABLE", "get_handler", "convert_for_runtime"]
+__all__ = ["Method", "METHOD_TABLE", "CHECKPOINT_METHOD_TABLE", "get_handler", "convert_for_runtime"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,25 @@ if set(METHOD_TABLE) != set(METHODS) - {"none"}:  # pragma: no cover - a table e
     raise RuntimeError("quantization METHODS and METHOD_TABLE disagree")
 
 
+def _no_handler(settings: QuantSettings) -> QuantHandler:
+    raise QuantizationError(f"{settings.method} is the serving format of pre-quantized checkpoints "
+                            f"(kiln build --quantization auto); Kiln does not quantize into it")
+
+
+# Serving formats of pre-quantized checkpoints (``checkpoint``): the weights arrive quantized,
+# so there is no offline handler.  ``int8``: W8A8 INT8 without runtime smoothing vectors, the
+# activations on compressed-tensors' symmetric grid (``quantize_rows_int8(full_range=True)``);
+# ``int4``: the packed W4A16 format of int4-awq / int4-gptq engines.  Checkpoints in FP8 W8A8
+# are served by ``fp8`` itself.
+CHECKPOINT_METHOD_TABLE: dict[str, Method] = {
+    "int8": Method(_no_handler, lambda settings, name: Int8LinearMethod(runtime_smooth=False, full_range=True)),
+    "int4": Method(_no_handler, lambda settings, name: Int4LinearMethod(settings.group_size)),
+}
+
+
 def _method(name: str) -> Method:
+    if name in CHECKPOINT_METHOD_TABLE:
+        return CHECKPOINT_METHOD_TABLE[name]
     if name not in METHOD_TABLE:
         raise QuantizationError(f"unknown quantization method {name!r}; choose one of {', '.join(METHODS)}")
     return METHOD_TABLE[name]

@@ -29,10 +29,16 @@ from .base import LinearMethod, QuantHandler, QuantSettings, cached_dequant, rep
 RUNTIME_SMOOTHED = ("o_proj",)  # linears whose smoothing factor is applied at run time
 
 
-def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row INT8: ``t`` float [R, C] -> (int8 [R, C], float32 scales [R, 1])."""
-    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 127.0
-    q = torch.round(t.float() / scale).clamp(-127, 127).to(torch.int8)
+def quantize_rows_int8(t: torch.Tensor, full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8: ``t`` float [R, C] -> (int8 [R, C], float32 scales [R, 1]).
+
+    ``scale = max|t[r, :]| / 127`` and codes in -127..127 (Kiln's and vLLM's grid), or with
+    ``full_range`` compressed-tensors' definition of a symmetric 8-bit scheme, ``max|t| / 127.5``
+    with codes clamped to -128..127 (``calculate_qparams``: half the bit range), the grid an
+    llm-compressor ``W8A8`` checkpoint was calibrated against."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / (127.5 if full_range else 127.0)
+    q = torch.round(t.float() / scale).clamp(-128 if full_range else -127, 127).to(torch.int8)
     return q, scale
 
 
@@ -90,8 +96,9 @@ def smooth_layer(layer, stats, alpha: float, names=("self_attn.qkv_proj", "mlp.g
 class Int8LinearMethod(LinearMethod):
     name = "int8-smoothquant"
 
-    def __init__(self, runtime_smooth: bool = False):
+    def __init__(self, runtime_smooth: bool = False, full_range: bool = False):
         self.runtime_smooth = runtime_smooth
+        self.full_range = full_range  # activations on compressed-tensors' grid (quantize_rows_int8)
 
     def create_weights(self, layer, name: str) -> None:
         N, K = layer.weight.shape
@@ -105,7 +112,7 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.runtime_smooth:
             x = x * layer.smooth_inv.to(x.dtype)
-        xq, xs = quantize_rows_int8(x)
+        xq, xs = quantize_rows_int8(x, self.full_range)
         if x.is_cuda and x.dtype != torch.float32:
             T = xq.shape[0]
             if T <= 16:  # torch._int_mm needs more than 16 rows
