@@ -90,8 +90,7 @@ def _decode_objects(text: str, pos: int, sep: str, end: str | None) -> tuple[lis
 
 
 def _json_content(schema: dict) -> dict:
-    # at most one whitespace character in a row: a small model otherwise pads with newlines
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 class ToolParser:
