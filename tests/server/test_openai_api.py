@@ -143,9 +143,18 @@ def test_chat_message_without_content_gets_400(server, message, needle):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "has no parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]},
+     'invalid JSON schema: Unsupported type "foo"'),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5,
+                                                                              "maximum": 1}}}},
+     "minimum greater than maximum"),
+    ({"guided_regex": "a("}, "invalid regex"),
+    ({"guided_grammar": "root ::= \"a"}, "invalid EBNF grammar"),
+    ({"guided_choice": []}, "guided_choice must be a non-empty list"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "give one output constraint"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"min_tokens": 9, "max_completion_tokens": 3}, "max_completion_tokens (3)"),
@@ -154,7 +163,6 @@ def test_chat_message_without_content_gets_400(server, message, needle):
     ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message, add_generation_prompt"),
     ({"chat_template": "{{ raise_exception('x') }}"}, "chat_template: not supported"),
     ({"echo": True}, "echo: not supported"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_chat_features_not_served_get_400(server, extra, needle):
     r = httpx.post(f"{server.v1}/chat/completions",

@@ -167,7 +167,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         limits=ServerLimits(ns.max_request_sequences, ns.max_chat_messages, ns.max_request_body_bytes,
                             ns.request_body_timeout),
         protect_metrics=ns.protect_metrics, shutdown_timeout=ns.shutdown_timeout, header_timeout=ns.header_timeout,
-        log_level=ns.log_level)
+        log_level=ns.log_level, tool_call_parser=ns.tool_call_parser)
     try:
         return serve(engine_args_from(ns), opts)
     except CoreStartError as e:
@@ -205,6 +205,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "operator's pods have a 60 s grace period)")
     p.add_argument("--max-request-sequences", type=int, default=256,
                    help="prompts x n of one request at most (default: %(default)s)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"), default="hermes",
+                   help="the served model's tool-call format: parsed from outputs with tools, forced by a grammar "
+                   "for tool_choice required / a named function (default: %(default)s)")
     p.add_argument("--max-chat-messages", type=int, default=1024,
                    help="messages of one chat request at most (default: %(default)s)")
     p.add_argument("--max-request-body-bytes", type=int, default=16 << 20,

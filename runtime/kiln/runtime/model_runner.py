@@ -366,12 +366,12 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self, self.args.max_num_seqs, max_model_len)
         self.decode_graphs.capture()
 
-    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> StepResult:
+    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], bitmask_fn=None) -> StepResult:
         """Run a step and wait for its sampled tokens (``execute_async(...).result()``)."""
-        return self.execute_async(out, rows).result()
+        return self.execute_async(out, rows, bitmask_fn).result()
 
     @torch.inference_mode()
-    def execute_async(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> PendingStep:
+    def execute_async(self, out: SchedulerOutput, rows: dict[str, SamplingRow], bitmask_fn=None) -> PendingStep:
         """Launch the forward pass for a scheduled step and sample the requests that need a
         token, without waiting for the device: the sampled ids are copied to pinned host
         memory behind an event, and stay on the device as the next step's placeholder
@@ -380,6 +380,10 @@ class ModelRunner:
         Args:
             out: the scheduler's decision for this step.
             rows: sampling settings per request id (only those with ``needs_sample``).
+            bitmask_fn: structured output: called with the sampled request ids (row order)
+                after the forward pass is launched and before sampling, so the host fills
+                the grammar bitmask while the device computes; returns int32 [R, ceil(V/32)]
+                on the host, or None.
         Returns:
             A :class:`PendingStep`; its ``result()`` blocks until the tokens are on the host.
         """
@@ -391,7 +395,10 @@ class ModelRunner:
         logits, ids = self._forward_logits(out)
         if logits is None:
             return PendingStep([], None, None, t0)
-        ds = sample_on_device(logits, [rows[i] for i in ids])
+        bitmask = bitmask_fn(ids) if bitmask_fn is not None else None
+        if bitmask is not None:
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        ds = sample_on_device(logits, [rows[i] for i in ids], bitmask)
         if self.tp.enabled:  # the other ranks keep the sampled ids as placeholder inputs
             torch.distributed.broadcast(ds.token_ids, src=0)
         self._last_sampled = ds.token_ids

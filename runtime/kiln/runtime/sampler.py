@@ -197,12 +197,38 @@ def _chunked_argmax(logits: torch.Tensor, c: int) -> torch.Tensor:
     return best * c + first.gather(1, best.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit whose bit is 0: one masked fill over the batch.
+
+    Args:
+        logits: float [S, V] (modified in place).
+        bitmask: int32 [S, ceil(V/32)] on the logits' device; bit ``t % 32`` of word
+            ``t // 32`` of row s is 1 when token t is allowed in row s (xgrammar's layout).
+            Rows of all ones leave their logits alone.
+    Returns:
+        ``logits``.
+    """
+    S, V = logits.shape
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(S, -1)[:, :V]  # [S, V] of 0/1
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
+                     token_bitmask: torch.Tensor | None = None) -> DeviceSample:
     """Pick one token per row without reading anything back to the host.
 
     Args:
         logits: float32 [S, vocab] (modified in place).
         rows: S sampling rows, aligned with ``logits``.
+        token_bitmask: int32 [S, ceil(vocab/32)] on the logits' device, or None: the
+            grammar's allowed tokens per row (``apply_token_bitmask``), applied after the
+            penalties, logit bias and min_tokens ban, before greedy and sampling (vLLM's order).
     Returns:
         A :class:`DeviceSample` (token ids int64 [S] on the logits' device).
     """
@@ -223,6 +249,8 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     if banned:  # min_tokens: after the raw logprobs, before greedy and sampling (vLLM's order)
         idx = _index([i * logits.shape[-1] + t for i, t in banned], dev)
         logits.view(-1).index_fill_(0, idx, float("-inf"))
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         chosen = greedy_argmax(logits)

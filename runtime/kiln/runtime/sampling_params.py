@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -11,6 +12,65 @@ SAMPLING_EPS = 1e-5
 #: Largest ``n`` and ``logprobs`` a request may ask for.
 MAX_N = 16
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one is set.
+
+    Attributes:
+        json: a JSON schema (dict, or JSON text).
+        json_object: any JSON object (OpenAI's ``response_format: {type: json_object}``).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF (``root ::= ...``) or Lark (``start: ...``) grammar.
+        structural_tag: an xgrammar structural tag (JSON text; the tool-call formats).
+
+    Raises:
+        ValueError: none or more than one is set, or one has the wrong type.
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):
+            import json as _json  # noqa: PLC0415
+
+            self.json = _json.dumps(self.json, ensure_ascii=False)
+        set_ = [n for n in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError("structured output needs exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag; got {', '.join(set_) or 'none'}")
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured output {name} must be a string, got {type(v).__name__}")
+
+    def spec(self):
+        """The :class:`~kiln.runtime.structured_output.spec.GrammarSpec` to compile.
+
+        Raises:
+            ValueError: a malformed schema or choice list.
+        """
+        from .structured_output import spec as S  # noqa: PLC0415
+
+        if self.json is not None:
+            return S.json_spec(self.json)
+        if self.json_object:
+            return S.GrammarSpec("json_object")
+        if self.regex is not None:
+            return S.GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return S.choice_spec(self.choice)
+        if self.grammar is not None:
+            return S.grammar_spec(self.grammar)
+        return S.GrammarSpec("structural_tag", self.structural_tag)
 
 
 @dataclass
@@ -39,6 +99,8 @@ class SamplingParams:
             model's raw distribution, before penalties and temperature); None = off.
         skip_special_tokens: drop special tokens from the text.
         detokenize: build text (and match stop strings); False returns token ids only.
+        structured_outputs: constrain the output to a schema, regex, choice or grammar
+            (:class:`StructuredOutputsParams`); None = free text.
 
     Raises:
         ValueError: on out-of-range values; the message carries the offending value.
@@ -64,8 +126,16 @@ class SamplingParams:
     detokenize: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias; -100..100).
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output (the grammar decides where "
+                             "the output may end)")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):

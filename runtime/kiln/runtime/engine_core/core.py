@@ -23,6 +23,7 @@ from ..core.scheduler import Scheduler
 from ..errors import InvalidRequestError
 from ..model_runner import PendingStep, StepResult
 from ..sampler import SamplingRow
+from ..structured_output.manager import StructuredOutputManager
 from .loading import LoadedModel, load_model
 from .messages import CoreOutput, CoreRequest
 
@@ -126,6 +127,10 @@ class EngineCore:
         # present, steps run synchronously so the history holds no placeholder.
         self._num_history_requests = 0
         self._seqs: dict[str, _Seq] = {}
+        # Structured output: grammar states, made at the first request with a grammar; such a
+        # request waits in ``_awaiting_grammar`` (outside the scheduler) until it is compiled.
+        self.structured: StructuredOutputManager | None = None
+        self._awaiting_grammar: dict[str, Request] = {}
         self.num_steps = 0
         self.startup_seconds = lm.load_seconds + time.perf_counter() - t0
 
@@ -145,13 +150,24 @@ class EngineCore:
             self.scheduler.check_request(r)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
+        spec = None
+        if req.params.structured_outputs is not None:
+            try:
+                spec = req.params.structured_outputs.spec()
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from e
+            self._structured()  # no tokenizer: refused before an adapter slot is held
         if req.lora_name:
             r.lora_id = self._acquire_lora(req.lora_name)  # raises LoRAError (an InvalidRequestError)
         gen = None
         if req.seed is not None:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(req.seed)
-        self.scheduler.add_request(r)
+        if spec is None:
+            self.scheduler.add_request(r)
+        else:  # queued once its grammar is compiled (``_admit_compiled``)
+            self._structured().submit(req.request_id, spec)
+            self._awaiting_grammar[req.request_id] = r
         self._seqs[req.request_id] = _Seq(r, req.params, gen, req.record_metrics)
         if req.params.has_penalties:
             self._num_history_requests += 1
@@ -169,6 +185,44 @@ class EngineCore:
         if seq.request.lora_id and self.runner.lora is not None:
             self.runner.lora.release(seq.request.lora_id)
 
+    def _structured(self) -> StructuredOutputManager:
+        if self.structured is None:
+            tok = self.loaded.tokenizer
+            if tok is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer; this model has none")
+            self.structured = StructuredOutputManager(lambda: tok, self.model_config.vocab_size,
+                                                      sorted(self.eos_token_ids),
+                                                      pin_memory=self.runner.device.type == "cuda")
+        return self.structured
+
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Queue the sequences whose grammar finished compiling; end (finish_reason "abort")
+        those whose grammar failed.  With nothing else to run, waits up to 10 ms for a compile
+        instead of spinning the step loop."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            self.structured.wait_any(0.01)
+        ready, failed = self.structured.poll()
+        for rid in ready:
+            r = self._awaiting_grammar.pop(rid, None)
+            if r is not None:
+                self.scheduler.add_request(r)
+        outs = []
+        now = time.monotonic()
+        for rid, msg in failed:
+            self._awaiting_grammar.pop(rid, None)
+            seq = self._seqs.pop(rid, None)
+            if seq is None:
+                continue
+            log.error("request %s: its grammar does not compile in the engine core: %s", rid, msg)
+            if seq.params.has_penalties:
+                self._num_history_requests -= 1
+            outs.append(CoreOutput(rid, [], finish_reason="abort"))
+            self._release_lora(seq)
+            self._record_finish(seq, now, "abort")
+        return outs
+
     def abort_requests(self, request_ids: list[str], finish_reason: str = "abort") -> None:
         """Drop sequences now (their KV blocks are freed); unknown or finished ids are
         ignored.  ``finish_reason`` is what the metrics record ("abort", or "stop" for a
@@ -180,6 +234,9 @@ class EngineCore:
                 continue
             if seq.params.has_penalties:
                 self._num_history_requests -= 1
+            self._awaiting_grammar.pop(rid, None)
+            if self.structured is not None:
+                self.structured.free(rid)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             self._release_lora(seq)
             self._record_finish(seq, now, finish_reason)
@@ -211,24 +268,38 @@ class EngineCore:
         With asynchronous scheduling this plans and launches step N, then reads back step
         N-1 while step N runs on the device; the outputs returned are step N-1's.
         """
+        outputs: list[CoreOutput] = self._admit_compiled()
         if not self.async_scheduling:
             out = self.scheduler.schedule()
             self._report_gauges(out)
             if not out.scheduled:
-                return []
-            return self._process(out, self.runner.execute(out, self._sampling_rows(out)))
-        outputs: list[CoreOutput] = []
+                return outputs
+            fill = self.structured.fill_bitmask if self._has_grammar_rows(out) else None
+            return outputs + self._process(out, self.runner.execute(out, self._sampling_rows(out), fill))
         if self._in_flight is not None and self._num_history_requests:
             outputs += self._drain()  # penalties read the previous token on the host
         out = self.scheduler.schedule()
         self._report_gauges(out)
         launched = None
         if out.scheduled:
-            launched = (out, self.runner.execute_async(out, self._sampling_rows(out)))
+            fill = None
+            if self._has_grammar_rows(out):
+                def fill(ids: list[str]):
+                    # after this step's forward pass is launched: read the previous step's
+                    # tokens, advance the grammars, fill this step's mask while the device runs
+                    if self._in_flight is not None:
+                        outputs.extend(self._drain())
+                    return self.structured.fill_bitmask(ids)
+            launched = (out, self.runner.execute_async(out, self._sampling_rows(out), fill))
         if self._in_flight is not None:
             outputs += self._drain()
         self._in_flight = launched
         return outputs
+
+    def _has_grammar_rows(self, out: SchedulerOutput) -> bool:
+        so = self.structured
+        return so is not None and so.num_states > 0 and any(
+            sr.needs_sample and so.has_grammar(sr.request.request_id) for sr in out.scheduled)
 
     def _drain(self) -> list[CoreOutput]:
         out, pending = self._in_flight
@@ -322,7 +393,13 @@ class EngineCore:
         status, stop_reason = None, None
         num_out = req.num_real_output_tokens
         at_limit = num_out >= req.max_tokens or req.num_prompt_tokens + num_out >= self.max_model_len
-        if num_out < params.min_tokens:  # EOS and stop ids are masked until min_tokens
+        so = self.structured if params.structured_outputs is not None else None
+        if so is not None and not so.accept(req.request_id, tok):  # the mask forbids this: a bug
+            log.error("request %s: token %d is outside its grammar", req.request_id, tok)
+            status = RequestStatus.FINISHED_ABORTED
+        elif so is not None and so.is_terminated(req.request_id):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar ended (with ignore_eos too)
+        elif num_out < params.min_tokens:  # EOS and stop ids are masked until min_tokens
             if at_limit:
                 status = RequestStatus.FINISHED_LENGTH
         elif not params.ignore_eos and tok in self.eos_token_ids:
@@ -340,6 +417,8 @@ class EngineCore:
         if status is not None:
             out.finish_reason, out.stop_reason = status.finish_reason, stop_reason
             seq.finished = True
+            if so is not None:
+                so.free(req.request_id)
             self.scheduler.finish_request(req.request_id, status)
             self._seqs.pop(req.request_id, None)
             if params.has_penalties:

@@ -9,6 +9,7 @@ user cannot forge a system turn.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass
@@ -104,9 +105,10 @@ class InputProcessor:
                 f"{num_chars} characters, more than {n} tokens of this tokenizer can hold")
 
     # -- chats -----------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat, rendered with the tokenizer's chat template; special-token
-        spellings inside message contents are tokenized as text.
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat, rendered with the tokenizer's chat template (with ``tools``,
+        OpenAI's tool definitions, passed to it when given); special-token spellings inside
+        message contents are tokenized as text.
 
         Raises:
             InvalidRequestError: malformed messages, no chat template, or text certainly
@@ -117,13 +119,20 @@ class InputProcessor:
         self._check_text_length(sum(len(str(m.get("content") or "")) for m in messages))
         for i, m in enumerate(messages):
             _check_unicode(str(m.get("content") or ""), f"messages[{i}].content")
+        kw = {"tools": tools} if tools else {}
         if not any(self._has_special(str(m.get("content") or "")) for m in messages):
-            return self._render_ids(messages)
-        return self._render_ids_protected(messages)
+            return self._render_ids(messages, kw)
+        return self._render_ids_protected(messages, kw)
 
-    def _render_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def template_supports_tools(self) -> bool:
+        """The chat template reads ``tools`` (else the tools are described in a system turn)."""
+        tmpl = getattr(self.tokenizer, "chat_template", None) or ""
+        return "tools" in (tmpl if isinstance(tmpl, str) else str(tmpl))
+
+    def _render_ids(self, messages: list[dict[str, Any]], kw: dict[str, Any]) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         except Exception as e:
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -137,14 +146,14 @@ class InputProcessor:
             self._special = sorted({*toks, *(str(t) for t in added.values() if getattr(t, "special", False))} - {""})
         return any(s in text for s in self._special)
 
-    def _render_ids_protected(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _render_ids_protected(self, messages: list[dict[str, Any]], kw: dict[str, Any]) -> list[int]:
         """Render with each content replaced by a marker, then tokenize the template's own
         text normally and each content with ``split_special_tokens`` (special-token spellings
         become ordinary tokens)."""
         marked = [{**m, "content": _MARK.format(i)} if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **kw)
         except Exception as e:
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
         ids: list[int] = []
@@ -212,6 +221,10 @@ class InputProcessor:
         """
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self.validate(ids, params)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs a tokenizer; this model has none")
+            check_structured_outputs(params.structured_outputs)
         if self.tokenizer is None and (params.detokenize or params.stop):
             if params.stop:
                 raise InvalidRequestError("stop strings need a tokenizer; this model has none")
@@ -223,6 +236,30 @@ class InputProcessor:
                             record_metrics=i == 0, lora_name=lora_name)
                 for i in range(params.n)]
         return text, ids, seqs
+
+
+def check_structured_outputs(so) -> None:
+    """Raises InvalidRequestError (-> HTTP 400) with the grammar engine's message when the
+    schema, regex or grammar of ``so`` (``StructuredOutputsParams``) does not compile; the
+    verdicts of the last 1024 specs are kept."""
+    try:
+        spec = so.spec()
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    err = _spec_error(spec)
+    if err:
+        raise InvalidRequestError(err)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_error(spec) -> str | None:
+    from ..structured_output.spec import validate_spec  # noqa: PLC0415
+
+    try:
+        validate_spec(spec)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _check_unicode(text: str, what: str) -> None:

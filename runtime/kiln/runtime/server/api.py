@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def build_app(llm: AsyncLLM, api_key: str | None = None, limits: ServerLimits | None = None,
-              protect_metrics: bool = False) -> FastAPI:
+              protect_metrics: bool = False, tool_call_parser: str = "hermes") -> FastAPI:
     """Create the app around an engine client.
 
     Args:
@@ -46,10 +46,11 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, limits: ServerLimits | 
             ``Authorization: Bearer <api_key>``.
         limits: per-request limits.
         protect_metrics: also require the key on ``/metrics`` and the API docs pages.
+        tool_call_parser: the served model's tool-call format (``tool_parsers.PARSERS``).
     """
     limits = limits or ServerLimits()
     completion = OpenAIServingCompletion(llm, limits)
-    chat = OpenAIServingChat(llm, limits)
+    chat = OpenAIServingChat(llm, limits, tool_call_parser)
     v2 = TritonServing(llm, limits)
     created = int(time.time())
 

@@ -41,6 +41,7 @@ class ServeOptions:
     shutdown_timeout: float
     header_timeout: float
     log_level: str
+    tool_call_parser: str = "hermes"
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
@@ -112,7 +113,8 @@ def run_api_server(info: m.CoreInfo, addresses: CoreAddresses, index: int, opts:
     sock = sock or bind_socket(opts.host, opts.port)
     tokenizer = load_tokenizer(info.tokenizer)
     llm = AsyncLLM(info, AsyncCoreClient(addresses, f"api-{index}"), tokenizer, f"api-{index}")
-    app = build_app(llm, api_key=opts.api_key, limits=opts.limits, protect_metrics=opts.protect_metrics)
+    app = build_app(llm, api_key=opts.api_key, limits=opts.limits, protect_metrics=opts.protect_metrics,
+                    tool_call_parser=opts.tool_call_parser)
     config = uvicorn.Config(app, log_level=opts.log_level.lower(), timeout_graceful_shutdown=opts.shutdown_timeout,
                             http=header_timeout_protocol(opts.header_timeout), access_log=False)
     server = _DrainingServer(config, llm, opts.shutdown_timeout)

@@ -2,16 +2,20 @@
 
 Field names and meanings follow OpenAI's Completions and Chat Completions APIs, plus the
 extra sampling fields vLLM accepts (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``)."""
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``) and its
+structured-output fields (``structured_outputs``, ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``) beside OpenAI's ``response_format``."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
+import json
+
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -24,8 +28,7 @@ class StreamOptions(BaseModel):
 _UNSUPPORTED_EXTENSIONS: dict[str, object] = {
     "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
     "prompt_logprobs": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "guided_decoding_backend": None, "structured_outputs": None, "spaces_between_special_tokens": True,
+    "spaces_between_special_tokens": True,
 }
 _UNSUPPORTED_CHAT_EXTENSIONS: dict[str, object] = {
     "continue_final_message": False, "add_generation_prompt": True, "chat_template": None,
@@ -56,6 +59,59 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output: OpenAI's, then vLLM's spellings (at most one may be given)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, or None.
+
+        Raises:
+            ValueError (-> HTTP 400): more than one is given, a malformed ``response_format``,
+                or a backend other than xgrammar.
+        """
+        if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
+            raise ValueError(f"guided_decoding_backend {self.guided_decoding_backend!r}: this server uses xgrammar")
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(("response_format", StructuredOutputsParams(json_object=True)))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
+                    raise ValueError("response_format json_schema needs json_schema.schema (a JSON schema object)")
+                found.append(("response_format", StructuredOutputsParams(json=js["schema"])))
+            elif kind == "structural_tag":
+                found.append(("response_format", StructuredOutputsParams(structural_tag=json.dumps(rf))))
+            elif kind != "text":
+                raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema, "
+                                 "structural_tag")
+        if self.structured_outputs is not None:
+            so = dict(self.structured_outputs)
+            for k in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                      "whitespace_pattern", "backend", "_backend", "_backend_was_auto"):
+                so.pop(k, None)  # vLLM's backend options: this server has one backend
+            if isinstance(so.get("structural_tag"), (dict, list)):
+                so["structural_tag"] = json.dumps(so["structural_tag"])
+            try:
+                found.append(("structured_outputs", StructuredOutputsParams(**so)))
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                         ("guided_grammar", "grammar")):
+            v = getattr(self, name)
+            if v is not None:
+                found.append((name, StructuredOutputsParams(**{kw: v})))
+        if len(found) > 1:
+            raise ValueError(f"give one output constraint, not {', '.join(n for n, _ in found)}")
+        return found[0][1] if found else None
 
     def _refuse_unsupported(self, table: dict[str, object]) -> None:
         """ValueError (-> HTTP 400) for a vLLM extension of ``table`` set to a value other than
@@ -88,6 +144,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
+            structured_outputs=self.structured(),
         )
 
 
@@ -135,6 +192,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to this call
 
     def text(self) -> str:
         """The message's text; parts of type "text" are concatenated.  Raises ValueError
@@ -164,27 +223,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Accepted so that a request using them is refused with a reason, not silently ignored.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+    # Accepted so that a request using them is refused with a reason, not silently ignored.
     functions: list[dict[str, Any]] | None = None  # the older spelling of tools
     function_call: Union[str, dict[str, Any], None] = None
-    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values and for what this server
-        does not do: tools (tool calling), a ``response_format`` other than text, and vLLM's
-        chat-template extensions (``continue_final_message``, ``chat_template``, ...)."""
+        does not do: the legacy ``functions`` / ``function_call`` (use ``tools``), and vLLM's
+        chat-template extensions (``continue_final_message``, ``chat_template``, ...).  Tools
+        are checked by ``kiln.runtime.server.tools``."""
         self._refuse_unsupported(_UNSUPPORTED_CHAT_EXTENSIONS)
-        if self.tools or self.functions:
-            raise ValueError("tools / functions (function calling) are not supported by this server")
-        if self.function_call not in (None, "none", "auto"):
-            raise ValueError("function_call is not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
-                             "(structured output): only 'text'")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise ValueError("functions / function_call (the legacy spelling) are not supported: use tools "
+                             "and tool_choice")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if (self.max_completion_tokens is not None and isinstance(self.min_tokens, int)
                 and self.min_tokens > self.max_completion_tokens >= 0):
@@ -197,11 +251,20 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
         return self._sampling(mt, lp, default_max_tokens)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages for the chat template: text contents, an assistant turn's ``tool_calls``
+        (arguments as JSON text, as OpenAI sends them) and a tool turn's ``tool_call_id``."""
         conv = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            conv.append({"role": role, "content": m.text()})
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None and role == "tool":
+                msg["name"] = m.name
+            conv.append(msg)
         return conv
 
 
@@ -325,9 +388,17 @@ class ChatMessageOut(msgspec.Struct):
     role: str = "assistant"
 
 
+class ChatToolCallsMessageOut(msgspec.Struct):
+    """An assistant message with tool calls (``content`` null when there is no text)."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    role: str = "assistant"
+
+
 class ChatChoice(msgspec.Struct):
     index: int
-    message: ChatMessageOut
+    message: Any  # ChatMessageOut | ChatToolCallsMessageOut
     logprobs: dict[str, Any] | None
     finish_reason: str | None
     stop_reason: str | int | None = None
@@ -346,7 +417,7 @@ class ChatCompletionResponse(msgspec.Struct):
 
 class ChatStreamChoice(msgspec.Struct):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: dict[str, Any] | None
     finish_reason: str | None
 

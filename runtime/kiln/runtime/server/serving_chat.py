@@ -10,13 +10,20 @@ from fastapi.responses import StreamingResponse
 
 from ..errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from .http_utils import SSE_DONE, ClientGoneError, chat_logprobs, error_body, json_response, sse
+from ..structured_output.tool_parsers import ToolCallStream
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
-                       ChatStreamChoice, ChatUsageChunk, usage_of)
-from .serving import ServingBase, collect
+                       ChatStreamChoice, ChatToolCallsMessageOut, ChatUsageChunk, usage_of)
+from .serving import ServerLimits, ServingBase, collect
+from .tool_calling import ToolPlan, plan_tools, prepare_conversation
 
 
 class OpenAIServingChat(ServingBase):
-    """OpenAI's chat completions, rendered with the model's chat template."""
+    """OpenAI's chat completions, rendered with the model's chat template; tool calls in
+    the ``tool_call_parser`` format (``tool_calling``)."""
+
+    def __init__(self, llm, limits: ServerLimits, tool_call_parser: str = "hermes"):
+        super().__init__(llm, limits)
+        self.tool_call_parser = tool_call_parser
 
     async def create(self, request: Request):
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
@@ -29,25 +36,35 @@ class OpenAIServingChat(ServingBase):
             conv = req.conversation()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
+        plan = await self.llm.run_tokenizer(plan_tools, req, self.tool_call_parser)
+        tools = None
+        if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in conv):
+            conv, tools = prepare_conversation(conv, plan, self.llm.input.template_supports_tools)
+        if plan is not None and plan.grammar() is not None:
+            params.structured_outputs = plan.grammar()
         self.check_sequences(1, params.n)
-        prompt_ids = await self.llm.run_tokenizer(self.llm.input.apply_chat_template, conv)
+        prompt_ids = await self.llm.run_tokenizer(self.llm.input.apply_chat_template, conv, tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (gen,) = await self.start_all(request, [prompt_ids], params, [rid], lora_name)
         model = req.model or self.model_name
         if req.stream:
-            return StreamingResponse(self._stream(rid, model, gen, params.n, req), media_type="text/event-stream")
+            return StreamingResponse(self._stream(rid, model, gen, params.n, req, plan),
+                                     media_type="text/event-stream")
         (out,) = await collect([gen])
         ctoks = sum(len(c.token_ids) for c in out.outputs)
-        choices = [ChatChoice(c.index, ChatMessageOut(c.text),
-                              chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
-                              c.finish_reason, c.stop_reason) for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, reason = _message(plan, c.text, c.finish_reason)
+            choices.append(ChatChoice(c.index, message, chat_logprobs(c.logprobs, self.token_text)
+                                      if req.logprobs else None, reason, c.stop_reason))
         return json_response(ChatCompletionResponse(rid, int(time.time()), model, choices,
                                                     usage_of(len(out.prompt_token_ids), ctoks)))
 
-    async def _stream(self, rid, model, gen, n, req: ChatCompletionRequest):
+    async def _stream(self, rid, model, gen, n, req: ChatCompletionRequest, plan: ToolPlan | None):
         created_ts = int(time.time())
         finished_sent: set[int] = set()
         final = None
+        calls = [ToolCallStream(plan.parser) for _ in range(n)] if plan is not None else None
         try:
             for i in range(n):
                 yield sse(ChatCompletionChunk(rid, created_ts, model, [ChatStreamChoice(
@@ -62,10 +79,20 @@ class OpenAIServingChat(ServingBase):
                             continue
                         if ends:
                             finished_sent.add(c.index)
+                        delta: dict = {"content": c.delta_text} if c.delta_text else {}
+                        reason = c.finish_reason if ends else None
+                        if calls is not None:
+                            text, new_calls = calls[c.index].feed(c.delta_text, final=ends)
+                            delta = {"content": text} if text else {}
+                            if new_calls:
+                                delta["tool_calls"] = new_calls
+                            if ends and calls[c.index].calls_sent and reason == "stop":
+                                reason = "tool_calls"
+                            if not delta and not lps and not ends:
+                                continue
                         choice = ChatStreamChoice(
-                            c.index, {"content": c.delta_text} if c.delta_text else {},
-                            chat_logprobs(c.delta_logprobs, self.token_text) if req.logprobs else None,
-                            c.finish_reason if ends else None)
+                            c.index, delta,
+                            chat_logprobs(c.delta_logprobs, self.token_text) if req.logprobs else None, reason)
                         yield sse(ChatCompletionChunk(rid, created_ts, model, [choice]))
             except (EngineDeadError, ServerShuttingDownError) as e:  # no [DONE]: the stream did not finish
                 yield sse(error_body(str(e), "server_error"))
@@ -78,3 +105,15 @@ class OpenAIServingChat(ServingBase):
             yield SSE_DONE
         finally:
             await gen.aclose()
+
+
+def _message(plan: ToolPlan | None, text: str, finish_reason: str | None):
+    """``(message, finish_reason)`` of a finished choice: its tool calls parsed when the
+    request has tools ("tool_calls" when the output ended normally with calls)."""
+    if plan is None:
+        return ChatMessageOut(text), finish_reason
+    content, calls = plan.parse(text)
+    if not calls:
+        return ChatMessageOut(text), finish_reason
+    return (ChatToolCallsMessageOut(content, [c.to_openai() for c in calls]),
+            "tool_calls" if finish_reason == "stop" else finish_reason)

@@ -1,0 +1,87 @@
+"""Tool-call formats: parsing whole and streamed outputs, the forcing grammar accepts what the
+renderer writes (and refuses other text), and the CLI's parser names are the parsers'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string
+
+from kiln.runtime.structured_output.spec import GrammarSpec, build_grammar
+from kiln.runtime.structured_output.tool_parsers import PARSERS, ToolCallStream, get_parser
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                 "required": ["city"]}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}},
+                                           "required": ["tz"]}}
+CALLS = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+         {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "cet"}'}}]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_render_parse_round_trip(name):
+    p = get_parser(name)
+    text = p.render_calls(CALLS)
+    got = p.parse(text, final=True)
+    assert got.ok and [(c.name, json.loads(c.arguments)) for c in got.calls] == \
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "cet"})]
+    assert got.content.strip() == ""
+    plain = p.parse("The weather is fine.", final=True)
+    assert plain.calls == [] and plain.content == "The weather is fine."
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_stream_deltas_equal_whole_parse(name):
+    p = get_parser(name)
+    prefix = "" if name == "llama3_json" else "Let me check. "
+    text = prefix + p.render_calls(CALLS)
+    st = ToolCallStream(p)
+    content, calls = "", []
+    for i in range(0, len(text), 3):  # 3-character deltas split every marker somewhere
+        c, new = st.feed(text[i:i + 3])
+        content += c
+        calls += new
+    c, new = st.feed("", final=True)
+    content += c
+    calls += new
+    assert content == prefix
+    assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in calls] == \
+        [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {"tz": "cet"})]
+    assert all(d["type"] == "function" and d["id"].startswith("call_") for d in calls)
+
+
+def test_hermes_unfinished_call_keeps_the_complete_ones():
+    p = get_parser("hermes")
+    text = p.render_calls(CALLS[:1]) + '\n<tool_call>\n{"name": "get_ti'
+    got = p.parse(text, final=True)
+    assert [c.name for c in got.calls] == ["get_weather"] and got.content.strip().startswith("<tool_call>")
+    assert p.parse('<tool_call>\n{"name": oops}\n</tool_call>', final=True).calls == []
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_forcing_grammar_accepts_the_format_only(name):
+    p = get_parser(name)
+    tag = p.structural_tag([WEATHER, TIME], at_least_one=True, stop_after_first=False)
+    g = build_grammar(GrammarSpec("structural_tag", json.dumps(tag)))
+    assert _is_grammar_accept_string(g, p.render_calls(CALLS))
+    assert _is_grammar_accept_string(g, p.render_calls(CALLS[:1]))
+    assert not _is_grammar_accept_string(g, "")  # required: at least one call
+    assert not _is_grammar_accept_string(g, "Sure! " + p.render_calls(CALLS[:1]))
+    bad = [{"function": {"name": "get_time", "arguments": '{"tz": "pst"}'}}]  # outside the enum
+    assert not _is_grammar_accept_string(g, p.render_calls(bad))
+    one = p.structural_tag([TIME], at_least_one=True, stop_after_first=True)
+    g1 = build_grammar(GrammarSpec("structural_tag", json.dumps(one)))
+    assert _is_grammar_accept_string(g1, p.render_calls(CALLS[1:]))
+    assert not _is_grammar_accept_string(g1, p.render_calls(CALLS))
+
+
+def test_cli_parser_names_are_the_parsers():
+    from kiln.runtime.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    action = next(a for a in serve._actions if a.dest == "tool_call_parser")
+    assert set(action.choices) == set(PARSERS)
+    assert serve.parse_args(["--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
+
