@@ -20,13 +20,16 @@ if [ "${1:-}" = quick ]; then MODEL=builtin:llama-3.2-1b; N=64; IN=200; OUTLEN=1
 Q=${QUANT:-none}
 ENG="--model $MODEL --load-format dummy --max-num-seqs $SEQS --max-num-batched-tokens 4096 --kv-cache-memory-fraction 0.9"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# offline first: the reference of every HTTP run below (a call cut short keeps it)
+# offline first: the reference of every HTTP run below (a call cut short keeps it);
+# SKIP_OFFLINE=1 when an earlier call on the same machine measured it
+if [ -z "${SKIP_OFFLINE:-}" ]; then
 echo "== offline $Q: $N x $IN/$OUTLEN"
 $K bench offline $ENG --quantization $Q --num-prompts $N --input-len $IN --output-len $OUTLEN --json $OUT/offline.json \
   2>&1 | tail -3
 echo "== offline batch 1: 2 x $IN/512"
 $K bench offline --model $MODEL --load-format dummy --max-num-seqs 1 --quantization $Q --num-prompts 2 \
   --input-len $IN --output-len 512 --json $OUT/offline_b1.json 2>&1 | tail -3
+fi
 for API in ${APIS:-1 2}; do
   echo "== serve (api-server-count $API) + bench serve"
   $K serve $ENG --quantization $Q --host 127.0.0.1 --port 8011 --api-server-count $API > $OUT/serve_$API.log 2>&1 &
