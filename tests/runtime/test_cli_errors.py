@@ -49,7 +49,7 @@ def openai_stub():
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:1", "notaurl"])
 def test_bench_serve_unreachable_url(url, capsys):
-    assert main(["bench", "serve", "--url", url, "--num-prompts", "1"]) != 0
+    assert main(["bench", "serve", "--url", url, "--num-prompts", "1"]) == 2
     err = capsys.readouterr().err
     assert f"kiln bench: error: cannot reach the server at {url}: " in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1

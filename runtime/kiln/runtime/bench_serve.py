@@ -40,7 +40,8 @@ DEFAULT_URL_VOCAB_SIZE = 49152  # prompt ids below this with --url (the embedded
 
 
 class BenchError(RuntimeError):
-    """The benchmark cannot run (server unreachable, not an OpenAI-style server)."""
+    """The benchmark cannot run: the server at ``--url`` cannot be reached or is not an
+    OpenAI-style server (exit status 2, as for a bad flag)."""
 
 
 @dataclass
@@ -106,9 +107,11 @@ def served_model(url: str) -> str:
             from None
 
 
-async def stream_one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
-    """Send one streamed completion to ``url`` and time its chunks."""
-    import httpx  # noqa: PLC0415
+async def stream_one(session, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+    """Send one streamed completion to ``url`` (an ``aiohttp.ClientSession``: its C HTTP
+    parser reads a chunk for about a third of httpx's client CPU, so one client process keeps
+    up with thousands of tokens per second) and time its chunks."""
+    import aiohttp  # noqa: PLC0415
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -116,24 +119,26 @@ async def stream_one(client, url: str, model: str, prompt: list[int], max_tokens
     usage = None
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = error_reason(r.status_code, await r.aread())
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                res.error = error_reason(r.status, await r.read())
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 now = time.perf_counter() - t0
                 chunk = json.loads(line[6:])
                 if chunk.get("error"):
-                    res.error = error_reason(r.status_code, line[6:].encode())
+                    res.error = error_reason(r.status, line[6:].strip())
                     return res
                 if chunk.get("usage"):
                     usage = chunk["usage"].get("completion_tokens")
                 if any(c.get("text") for c in chunk.get("choices") or ()):
                     res.chunk_times.append(now)
-    except httpx.TransportError as e:
-        res.error = f"{type(e).__name__}: {e}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        # where it broke: before the response, or mid-stream after some chunks
+        res.error = (f"{type(e).__name__}: {e or 'connection closed or reset'} (after {len(res.chunk_times)} "
+                     f"chunks, {time.perf_counter() - t0:.2f} s)")
         return res
     res.e2e = time.perf_counter() - t0
     res.ttft = res.chunk_times[0] if res.chunk_times else res.e2e
@@ -151,15 +156,20 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
+# The benchmark client's own CPU seconds (user + system) during the last run_load: a client
+# near one CPU per wall second is itself the limit of what it measures.
+CLIENT_CPU = {"seconds": float("nan")}
+
+
 async def run_load(url: str, model: str, wl: Workload, rate: float, concurrency: int | None, burstiness: float,
                    seed: int) -> tuple[list[RequestResult], float]:
     """Send the workload at ``rate`` requests/s (at most ``concurrency`` in flight, None: no
     limit); returns the results in workload order and the wall time (seconds)."""
-    import httpx  # noqa: PLC0415
+    import aiohttp  # noqa: PLC0415
 
     sem = asyncio.Semaphore(concurrency) if concurrency else None
-    limits = httpx.Limits(max_connections=(concurrency or len(wl.prompts)) + 8)
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=(concurrency or len(wl.prompts)) + 8)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as client:
         async def one(prompt: list[int], max_tokens: int) -> RequestResult:
             if sem is None:
                 return await stream_one(client, f"{url}/v1/completions", model, prompt, max_tokens)
@@ -167,6 +177,7 @@ async def run_load(url: str, model: str, wl: Workload, rate: float, concurrency:
                 return await stream_one(client, f"{url}/v1/completions", model, prompt, max_tokens)
 
         tasks = []
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         for gap, prompt, max_tokens in zip(arrival_gaps(len(wl.prompts), rate, burstiness, seed), wl.prompts,
                                            wl.output_lens):
@@ -174,7 +185,9 @@ async def run_load(url: str, model: str, wl: Workload, rate: float, concurrency:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(prompt, max_tokens)))
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        CLIENT_CPU["seconds"] = time.process_time() - cpu0
+        return list(results), wall
 
 
 def meets(r: RequestResult, slos: dict[str, float]) -> bool:
@@ -379,8 +392,8 @@ def _start_server(ns: argparse.Namespace):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    """Run ``kiln bench serve``; returns the exit code (1: a request failed or the server
-    cannot be used; 2: bad flags or a server that refused them)."""
+    """Run ``kiln bench serve``; returns the exit code (1: a request failed; 2: bad flags, a
+    ``--url`` that cannot be reached or used, or a server that refused the flags)."""
     slos = check_serve_flags(ns)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     proc, url = (None, ns.url) if ns.url else _start_server(ns)
@@ -399,6 +412,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             conc = DEFAULT_CONCURRENCY if conc is None and math.isinf(rate) else conc
             results, wall = asyncio.run(run_load(url, model, wl, rate, conc, ns.burstiness, ns.seed))
             rows.append(summarize(results, wall, rate, conc, slos))
+            rows[-1]["client_cpu_share"] = CLIENT_CPU["seconds"] / wall
             print(json.dumps(json_safe(rows[-1])), flush=True)
         print_table(rows)
         _report_problems(rows)
@@ -409,7 +423,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return 0 if not any(r["errors"] for r in rows) else 1
     except BenchError as e:
         print(f"kiln bench: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         if proc:
             proc.terminate()

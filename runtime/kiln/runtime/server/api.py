@@ -77,13 +77,14 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, limits: ServerLimits | 
     ops_auth = auth if protect_metrics else []
     _install_error_handlers(app, llm)
 
-    @app.get("/health")
+    # HEAD answers as GET (load balancers and probes send HEAD): same status, no body
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if llm.errored is not None:
             return error_response(500, f"engine failed: {llm.errored}", "server_error")
         return {"status": "ok", "engine_core_pid": llm.info.pid}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if llm.ready and llm.errored is None:
             return {"status": "ready", "model": llm.served_model_name}

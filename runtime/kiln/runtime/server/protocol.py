@@ -19,6 +19,8 @@ from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsPar
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -37,7 +39,9 @@ _UNSUPPORTED_CHAT_EXTENSIONS: dict[str, object] = {
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # kept only to refuse the extensions above
+    # extra: kept only to refuse the extensions above; strict: JSON types as OpenAI's API
+    # takes them ("max_tokens": "2" or 2.5 or true is a 400, an integer is a valid number)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
