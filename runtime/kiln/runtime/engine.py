@@ -8,10 +8,10 @@ output processor, stepped by the caller (vLLM V1's three parts in one process).
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Any
 
 from .config import EngineArgs
+from .hub import download_model_args
 from .engine_core.core import EngineCore, StatLogger
 from .errors import InvalidRequestError
 from .outputs import RequestOutput
@@ -33,7 +33,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, stat_logger: StatLogger | None = None):
-        args = _download_hub_model(args)
+        args = download_model_args(args)
         self.core = EngineCore(args, stat_logger)
         lm = self.core.loaded
         self.args = self.core.args
@@ -160,20 +160,3 @@ class LLMEngine:
             self.core.abort_requests(to_abort, "stop")
         return outputs
 
-
-def _download_hub_model(args: EngineArgs) -> EngineArgs:
-    """``args`` with a Hub ``model`` (``hf://org/name[@rev]``, ``org/name``) downloaded and
-    replaced by its snapshot folder; the served name defaults to the repo id.
-
-    Raises:
-        hub.HubError: the download cannot succeed (a ``ValueError``).
-    """
-    from dataclasses import replace  # noqa: PLC0415
-
-    from . import hub  # noqa: PLC0415
-
-    ref = hub.parse_ref(args.model)
-    if ref is None:
-        return args
-    folder, sha = hub.download(ref, args.hub or hub.HubOptions(), progress=lambda m: print(f"kiln: hub: {m}", file=sys.stderr, flush=True))
-    return replace(args, model=str(folder), served_model_name=args.served_model_name or ref.repo)

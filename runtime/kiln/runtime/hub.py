@@ -160,3 +160,22 @@ def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | No
         folder = p.parents[len(Path(name).parts) - 1]
     assert folder is not None  # files holds config.json
     return folder, sha
+
+
+def download_model_args(args):
+    """``args`` (an ``EngineArgs``) with a Hub ``model`` (``hf://org/name[@rev]``, ``org/name``)
+    downloaded and replaced by its snapshot folder, a progress line per file on stderr; the
+    served model name defaults to the repo id.  Other sources come back unchanged.
+
+    Raises:
+        HubError: the download cannot succeed.
+    """
+    import sys  # noqa: PLC0415
+    from dataclasses import replace  # noqa: PLC0415
+
+    ref = parse_ref(args.model)
+    if ref is None:
+        return args
+    folder, _ = download(ref, args.hub or HubOptions(),
+                         progress=lambda m: print(f"kiln: hub: {m}", file=sys.stderr, flush=True))
+    return replace(args, model=str(folder), served_model_name=args.served_model_name or ref.repo)
