@@ -49,10 +49,11 @@ def test_build_from_the_hub_pins_the_commit_and_reuses_the_cache(hub, tiny_model
         monkeypatch.delenv(k)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     cache = tmp_path / "hf-cache"
-    gets0 = hub.total_gets()
+    gets0, infos0 = hub.total_gets(), hub.infos
     assert main(["--model", f"hf://{TINY}@v1", "--quantization", "none", "--output", str(tmp_path / "a"),
                  "--download-dir", str(cache), "--termination-log", ""]) == 0
     downloaded = hub.total_gets() - gets0
+    assert hub.infos - infos0 == 1  # the revision is resolved once per build
     assert downloaded == len([f for f in os.listdir(tiny_model)])  # config, weights, tokenizer files
     m = read_manifest(tmp_path / "a")
     sha = hub.repos[TINY].sha

@@ -13,7 +13,7 @@ Endpoints (as the real Hub answers them):
 
 Faults for tests: ``drop_gets`` (a file GET sends its headers and ``drop_after`` bytes of the
 body, then closes the connection; ``drop_gets`` counts down, -1 forever).  ``gets`` counts the
-file GETs served, per ``(repo, path)``.
+file GETs served, per ``(repo, path)``; ``infos`` the ``model_info`` requests.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class HubServer:
     def __init__(self, port: int = 0):
         self.repos: dict[str, HubRepo] = {}
         self.gets: dict[tuple[str, str], int] = {}
+        self.infos = 0  # model_info requests answered (any status)
         self.drop_gets = 0
         self.drop_after = 0
         self._lock = threading.Lock()
@@ -148,6 +149,8 @@ def _handler(hub: HubServer):
             # api/models/{org}/{name}[/revision/{rev}]
             repo = "/".join(parts[2:4])
             rev = unquote(parts[5]) if len(parts) >= 6 and parts[4] == "revision" else None
+            with hub._lock:
+                hub.infos += 1
             r = self._repo(repo, rev)
             if r is None:
                 return

@@ -177,8 +177,8 @@ def run_build(args: argparse.Namespace) -> int:
             from .config import env_hub_options  # noqa: PLC0415
 
             hub_opts = env_hub_options(getattr(args, "download_dir", None))
-            sha, _ = hub.resolve_commit(hub_ref, hub_opts)
-            model = hub.HubRef(hub_ref.repo, sha).uri()
+            resolved = hub.resolve_commit(hub_ref, hub_opts)
+            model = hub.HubRef(hub_ref.repo, resolved[0]).uri()
     except hub.HubError as e:
         return _error(args, 2, str(e))
     try:
@@ -214,8 +214,7 @@ def run_build(args: argparse.Namespace) -> int:
     try:
         model_src = args.model
         if hub_ref is not None:  # downloaded before the output is touched: a failure leaves nothing there
-            folder, _ = hub.download(hub.HubRef(hub_ref.repo, spec.source.revision), hub_opts,
-                                     progress=_stderr_progress)
+            folder, _ = hub.download(hub_ref, hub_opts, progress=_stderr_progress, resolved=resolved)
             model_src = str(folder)
         res = build_engine(spec, model_src, args.output, device=args.device, progress=_stderr_progress)
     except _Terminated:

@@ -134,12 +134,14 @@ def resolve_commit(ref: HubRef, opts: HubOptions) -> tuple[str, list[str]]:
     return info.sha, files
 
 
-def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | None = None) -> tuple[Path, str]:
+def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | None = None,
+             resolved: tuple[str, list[str]] | None = None) -> tuple[Path, str]:
     """Download ``ref``'s model files into the cache; returns ``(snapshot folder, commit sha)``.
 
     The revision is resolved to a commit once; every file is then fetched at that commit, so
     a branch that moves during the download cannot mix two commits.  Files already in the
-    cache for the commit are not fetched again; a partial file is resumed.
+    cache for the commit are not fetched again; a partial file is resumed.  ``resolved``: the
+    ``(commit, files)`` of an earlier :func:`resolve_commit` (not asked again).
 
     Raises:
         HubError: see :func:`resolve_commit`; a dropped connection that retries cannot heal.
@@ -147,7 +149,7 @@ def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | No
     from huggingface_hub import hf_hub_download  # noqa: PLC0415
 
     say = progress or (lambda m: None)
-    sha, files = resolve_commit(ref, opts)
+    sha, files = resolved or resolve_commit(ref, opts)
     say(f"{ref.uri()} is commit {sha}; {len(files)} files")
     folder: Path | None = None
     for i, name in enumerate(files, 1):
