@@ -170,3 +170,26 @@ def test_parse_ref():
     with pytest.raises(HubError, match="ModelNotFound"):
         parse_ref("hf://justaname")
     assert json.dumps(HubRef("a/b", "c").uri()) == '"hf://a/b@c"'
+
+
+def test_eval_and_llm_read_the_hub_model_as_the_local_folder(hub, tiny_model, tmp_path, monkeypatch):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    ppl = {}
+    for name, model in (("hub", f"hf://{TINY}@v1"), ("local", str(tiny_model))):
+        r = _kiln("eval", "perplexity", "--model", model, "--max-tokens", "64", "--json",
+                  env=_env(hub, HF_HOME=str(tmp_path / "hf")))
+        assert r.returncode == 0, r.stderr
+        ppl[name] = json.loads(r.stdout)
+    assert ppl["hub"]["perplexity"] == ppl["local"]["perplexity"]
+    for k in [k for k in os.environ if k.startswith("HF_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the cache eval filled: nothing downloaded again
+    gets = hub.total_gets()
+    params = SamplingParams(max_tokens=6, temperature=0)
+    got = LLM(model=TINY, num_kv_blocks=32).generate(["Hello there"], params)[0].outputs[0].token_ids
+    assert hub.total_gets() == gets
+    want = LLM(model=str(tiny_model), num_kv_blocks=32).generate(["Hello there"], params)[0].outputs[0].token_ids
+    assert list(got) == list(want)
