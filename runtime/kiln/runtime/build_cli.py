@@ -37,8 +37,8 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``kiln build``'s flags to ``parser`` (defaults equal ``kiln.common.enginespec.BUILD_DEFAULTS``)."""
     d = BUILD_DEFAULTS
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
-                        help="builtin:<name>, a .gguf file, a Hugging Face folder, or a Hub model hf://org/name[@revision] "
-                             "(or org/name) (default: %(default)s)")
+                        help="builtin:<name>, a .gguf file, a Hugging Face folder, or a Hub model "
+                             "hf://org/name[@revision] (or org/name) (default: %(default)s)")
     parser.add_argument("--download-dir", default=None,
                         help="download cache for --model hf://org/name[@revision] (default: $HF_HOME/hub); "
                              "HF_TOKEN and HF_ENDPOINT (a mirror) are read from the environment")

@@ -28,8 +28,8 @@ from kiln.common.constants import HTTP_PORT
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``serve`` and ``bench`` (DESIGN.md's interface)."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="builtin:<name>, a .gguf file, a Hugging Face folder or hf://org/name[@revision] "
-                     "(default: builtin:smollm2-135m-instruct)")
+    src.add_argument("--model", default=None, help="builtin:<name>, a .gguf file, a Hugging Face folder or "
+                     "hf://org/name[@revision] (default: builtin:smollm2-135m-instruct)")
     src.add_argument("--engine", default=None, help="a Kiln engine folder written by `kiln build`")
     p.add_argument("--download-dir", default=None, help="cache for models from the Hugging Face Hub "
                    "(--model hf://org/name[@revision]; default: $HF_HOME/hub)")
