@@ -85,3 +85,20 @@ def test_a_failed_download_is_the_degraded_reason(tmp_path, repo, reason):
 def test_other_build_failures_stay_build_failed():
     assert diagnose.build_failure_reason("exit code 1 (Error): kiln build: out of disk") == "BuildFailed"
     assert diagnose.build_failure_reason("") == "BuildFailed"
+
+
+def test_plan_degrades_with_the_download_reason():
+    from kiln.operator.plan import Observed, plan
+    from kiln.operator.spec import parse_spec
+
+    spec = parse_spec(SPEC)
+    h, claim = spec.engine_hash, spec.storage.claim_name
+    failed = {"metadata": {"name": b.job_name(claim, h), "labels": b.build_labels(claim, h)},
+              "status": {"failed": 1, "conditions": [{"type": "Failed", "status": "True",
+                                                       "reason": "BackoffLimitExceeded"}]}}
+    msg = "kiln build: Unauthorized: access to HuggingFaceTB/SmolLM2-135M-Instruct on http://m denied: the token was refused"
+    p = plan(spec, Observed(owner=OWNER, claim_exists=True, jobs=(failed,), build_pods=(_failed_pod(msg),)),
+             "2026-12-03T10:00:05Z")
+    deg = next(x for x in p.status["conditions"] if x["type"] == "Degraded")
+    assert p.phase == "Degraded" and deg["status"] == "True" and deg["reason"] == "Unauthorized"
+    assert "the token was refused" in deg["message"]
