@@ -236,6 +236,9 @@ def engine_record(spec: Spec, hash_: str, owner: Mapping[str, Any], job: str,
                      "completedAt": completed_at}}
 
 
+HF_CACHE_SUBPATH = ".hf-cache"  # Hub downloads on the cache claim (kiln build --download-dir)
+
+
 def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
               default_image: str = c.DEFAULT_RUNTIME_IMAGE) -> Obj:
     """The build Job: ``kiln build`` writing ``/engines/<hash>`` on the cache claim.  GPUs only
@@ -274,6 +277,10 @@ def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
     if model.hf_token:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": model.hf_token.name, "key": model.hf_token.key}}})
+    if model.hf_endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": model.hf_endpoint})
+    if model.hf_repo:  # the download cache on the claim: another build of the model downloads nothing
+        args += ["--download-dir", f"{c.DEFAULT_CACHE_ROOT}/{HF_CACHE_SUBPATH}"]
     container: Obj = {
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
         "imagePullPolicy": spec.image_pull_policy,

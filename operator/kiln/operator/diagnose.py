@@ -11,6 +11,7 @@ describe``.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -117,6 +118,19 @@ def deployment_problem(dep: Mapping[str, Any] | None) -> Problem | None:
         if cd.get("type") == "ReplicaFailure" and cd.get("status") == "True":
             return Problem("ReplicaFailure", f"{cd.get('reason') or ''}: {cd.get('message') or ''}".strip(": "))
     return None
+
+
+# ``kiln build``'s Hub download failures (``kiln.runtime.hub.HubError``: "REASON: message" in its
+# termination message) -> the Degraded reason; any other failed build is BuildFailed.
+HUB_FAILURE_REASONS = ("ModelNotFound", "RevisionNotFound", "Unauthorized", "DownloadFailed")
+_HUB_FAILURE = re.compile(r"kiln build: (" + "|".join(HUB_FAILURE_REASONS) + r"): ")
+
+
+def build_failure_reason(cause: str) -> str:
+    """The Degraded reason of a failed build from its cause (``failed_build_cause``): one of
+    ``HUB_FAILURE_REASONS`` when the model's download failed, else ``BuildFailed``."""
+    m = _HUB_FAILURE.search(cause or "")
+    return m.group(1) if m else "BuildFailed"
 
 
 def failed_build_cause(pods: Iterable[Mapping[str, Any]]) -> str:

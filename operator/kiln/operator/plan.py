@@ -314,7 +314,7 @@ def _plan_build(spec: InferenceEngineSpec, observed: Observed, h: str, degraded:
         cause = diagnose.failed_build_cause(observed.build_pods)
         st["state"] = "Failed"
         st["message"] = "; ".join(x for x in (f"{reason}: {message}".strip(": "), cause) if x)
-        failed = Problem("BuildFailed", f"build Job {jname} failed: {st['message']}")
+        failed = Problem(diagnose.build_failure_reason(cause), f"build Job {jname} failed: {st['message']}")
         return _Build(False, state, st, failed, delete=tuple(delete), owners=owners)
     if spec.suspend:
         if job and not job["metadata"].get("deletionTimestamp") and not needers:

@@ -45,6 +45,8 @@ class ModelSpec:
         pvc_claim / pvc_path: a model folder or ``.gguf`` file on a claim, or None.
         hf_repo / hf_revision: a Hugging Face Hub repository and its pinned revision, or None.
         hf_token: the Secret key exposed to the build Job as ``HF_TOKEN``, or None.
+        hf_endpoint: a Hub mirror's base URL (the build Job's ``HF_ENDPOINT``), or None: not
+            hashed (the commit sha names the content wherever it is downloaded from).
         served_model_name: the name ``/v1/models`` reports; None means the resource's name.
         text: the source as one string (``builtin:NAME``, ``pvc://CLAIM/PATH``,
             ``hf://REPO@REV``): ``status.model``.
@@ -56,6 +58,7 @@ class ModelSpec:
     hf_repo: str | None = None
     hf_revision: str | None = None
     hf_token: SecretKeyRef | None = None
+    hf_endpoint: str | None = None
     served_model_name: str | None = None
     text: str = ""
 
@@ -345,6 +348,7 @@ def _model(raw: Mapping[str, Any]) -> ModelSpec:
         hf_repo=_str(hf, "repo", "model.huggingFace.repo", None),
         hf_revision=_str(hf, "revision", "model.huggingFace.revision", None),
         hf_token=token,
+        hf_endpoint=_str(hf, "endpoint", "model.huggingFace.endpoint", None),
         served_model_name=_str(m, "servedModelName", "model.servedModelName", None),
         text=source_text(m))
 

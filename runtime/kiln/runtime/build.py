@@ -366,7 +366,9 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
                    "max_num_tokens": spec.max_num_tokens},
         "weights": {"dtype": str(store_dtype).replace("torch.", ""), "files": files},
         "tokenizer_files": tok_files,
-        "source": {"ref": src.ref, "kind": src.kind, "sha256": checksum},
+        # a Hub source by its repo and commit (hf://org/name@sha), not the cache folder it was read from
+        "source": {"ref": spec.source.to_cli() if spec.source.kind == "huggingFace" else src.ref, "kind": src.kind,
+                   "sha256": checksum},
         "calibration": calib_info,
         "builder": {"version": BUILDER_VERSION, "torch": torch.__version__.split("+")[0], "device": dev.type},
     }

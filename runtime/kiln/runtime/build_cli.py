@@ -24,6 +24,7 @@ from kiln.common.enginespec import (
     EngineSpecError,
 )
 
+from . import hub
 from .build import CHECKSUM_ALGORITHM, BadInputError, BuildError, build_engine
 
 
@@ -36,8 +37,12 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``kiln build``'s flags to ``parser`` (defaults equal ``kiln.common.enginespec.BUILD_DEFAULTS``)."""
     d = BUILD_DEFAULTS
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
-                        help="builtin:<name>, a .gguf file or a Hugging Face folder, possibly pre-quantized "
-                             "(compressed-tensors, GPTQ, AWQ: build it with --quantization auto) (default: %(default)s)")
+                        help="builtin:<name>, a .gguf file, a Hugging Face folder (possibly pre-quantized: "
+                             "compressed-tensors, GPTQ, AWQ; build it with --quantization auto), or a Hub model "
+                             "hf://org/name[@revision] (or org/name) (default: %(default)s)")
+    parser.add_argument("--download-dir", default=None,
+                        help="download cache for --model hf://org/name[@revision] (default: $HF_HOME/hub); "
+                             "HF_TOKEN and HF_ENDPOINT (a mirror) are read from the environment")
     parser.add_argument("--output", required=True, help="engine folder to create (written atomically)")
     parser.add_argument("--quantization", default=d["quantization"],
                         help=f"one of {', '.join(QUANTIZATION_METHODS)}; auto keeps a pre-quantized checkpoint's "
@@ -167,9 +172,20 @@ def run_build(args: argparse.Namespace) -> int:
         calibration = _calibration_ref(args)
     except ValueError as e:
         return _error(args, 2, str(e))
+    model = args.model
+    try:
+        hub_ref = hub.parse_ref(model)
+        if hub_ref is not None:  # the revision resolved once: the engine hash names the commit
+            from .config import env_hub_options  # noqa: PLC0415
+
+            hub_opts = env_hub_options(getattr(args, "download_dir", None))
+            resolved = hub.resolve_commit(hub_ref, hub_opts)
+            model = hub.HubRef(hub_ref.repo, resolved[0]).uri()
+    except hub.HubError as e:
+        return _error(args, 2, str(e))
     try:
         spec = BuildSpec.from_cli(
-            args.model, quantization=args.quantization, group_size=args.group_size,
+            model, quantization=args.quantization, group_size=args.group_size,
             smoothquant_alpha=args.smoothquant_alpha, kv_cache_dtype=args.kv_cache_dtype,
             calibration_samples=args.calibration_samples, max_seq_len=args.max_seq_len,
             max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
@@ -198,11 +214,15 @@ def run_build(args: argparse.Namespace) -> int:
 
     prepare_shared_cache(os.environ)  # the serving pods' Triton cache on the claim (operator builds only)
     try:
-        res = build_engine(spec, args.model, args.output, device=args.device, progress=_stderr_progress)
+        model_src = args.model
+        if hub_ref is not None:  # downloaded before the output is touched: a failure leaves nothing there
+            folder, _ = hub.download(hub_ref, hub_opts, progress=_stderr_progress, resolved=resolved)
+            model_src = str(folder)
+        res = build_engine(spec, model_src, args.output, device=args.device, progress=_stderr_progress)
     except _Terminated:
         print("kiln build: terminated; the unfinished engine was removed", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except BadInputError as e:
+    except (BadInputError, hub.HubError) as e:
         return _error(args, 2, str(e))
     except BuildError as e:
         return _error(args, 1, str(e))

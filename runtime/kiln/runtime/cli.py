@@ -28,9 +28,11 @@ from kiln.common.constants import HTTP_PORT
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``serve`` and ``bench`` (DESIGN.md's interface)."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="builtin:<name>, a .gguf file or a Hugging Face folder "
-                     "(default: builtin:smollm2-135m-instruct)")
+    src.add_argument("--model", default=None, help="builtin:<name>, a .gguf file, a Hugging Face folder or "
+                     "hf://org/name[@revision] (default: builtin:smollm2-135m-instruct)")
     src.add_argument("--engine", default=None, help="a Kiln engine folder written by `kiln build`")
+    p.add_argument("--download-dir", default=None, help="cache for models from the Hugging Face Hub "
+                   "(--model hf://org/name[@revision]; default: $HF_HOME/hub)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences per step (default: 64, at most an engine's build --max-batch-size)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -71,8 +73,10 @@ def engine_args_from(ns: argparse.Namespace):
     """``EngineArgs`` from the flags of ``add_engine_args`` (ValueError for invalid values)."""
     from .config import EngineArgs  # noqa: PLC0415
 
+    from .config import env_hub_options  # noqa: PLC0415
+
     threads = {} if ns.cpu_threads is None else {"cpu_threads": ns.cpu_threads}  # else KILN_CPU_THREADS
-    return EngineArgs(
+    return EngineArgs(hub=env_hub_options(getattr(ns, "download_dir", None)),
         model=ns.model, engine=ns.engine, verify_checksums=not ns.no_verify_checksums, device=ns.device,
         dtype=ns.dtype,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from kiln.kernels.options import KernelOptions
 
@@ -34,6 +35,19 @@ def env_cpu_threads() -> int | None:
 def env_cache_dir() -> Path:
     """``$KILN_CACHE_DIR``, else ``~/.cache/kiln``."""
     return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+
+
+def env_hub_options(download_dir: str | None = None):
+    """The Hugging Face Hub options from the environment: ``HF_ENDPOINT`` (a mirror),
+    ``HF_TOKEN``, and the download cache ``download_dir`` or ``$HF_HUB_CACHE`` or
+    ``$HF_HOME/hub`` (None: huggingface_hub's default, ``~/.cache/huggingface/hub``)."""
+    from .hub import HubOptions  # noqa: PLC0415
+
+    cache = download_dir or os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+    return HubOptions(endpoint=(os.environ.get("HF_ENDPOINT") or "").strip().rstrip("/") or None,
+                      token=(os.environ.get("HF_TOKEN") or "").strip() or None,
+                      cache_dir=Path(cache).expanduser() if cache else None)
 
 
 @dataclass
@@ -70,6 +84,9 @@ class EngineArgs:
     quantization: str = "none"
     seed: int = 0
     served_model_name: str | None = None
+    # How to reach the Hugging Face Hub for a ``model`` ``hf://org/name[@rev]`` or ``org/name``
+    # (a ``hub.HubOptions``; default: HF_ENDPOINT, HF_TOKEN, HF_HOME from env_hub_options)
+    hub: Any = field(default_factory=env_hub_options)
     enable_cuda_graphs: bool = True
     # Compile the Triton kernel variants serving can reach at start-up (CUDA; ModelRunner.
     # warmup_kernels), so no request waits for a JIT compile.

@@ -11,6 +11,7 @@ import itertools
 from typing import Any
 
 from .config import EngineArgs
+from .hub import download_model_args
 from .engine_core.core import EngineCore, StatLogger
 from .errors import InvalidRequestError
 from .outputs import RequestOutput
@@ -32,6 +33,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, stat_logger: StatLogger | None = None):
+        args = download_model_args(args)
         self.core = EngineCore(args, stat_logger)
         lm = self.core.loaded
         self.args = self.core.args
@@ -157,3 +159,4 @@ class LLMEngine:
         if to_abort:
             self.core.abort_requests(to_abort, "stop")
         return outputs
+

@@ -270,7 +270,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="eval_command", required=True)
     pp = sub.add_parser("perplexity", help="perplexity and token count on a text file")
     g = pp.add_mutually_exclusive_group(required=True)
-    g.add_argument("--model", help="builtin:<name>, a .gguf file or a Hugging Face folder")
+    g.add_argument("--model", help="builtin:<name>, a .gguf file, a Hugging Face folder or hf://org/name[@revision]")
     g.add_argument("--engine", help="a Kiln engine folder (kiln build)")
     pp.add_argument("--text", default=None, action="append",
                     help="UTF-8 text file, or .jsonl records (default: the shipped held-out text); repeat to "

@@ -167,6 +167,9 @@ def serve(args: EngineArgs, opts: ServeOptions) -> int:
     if not opts.api_key:
         log.warning("serving without an API key: anyone who reaches port %d can use the model "
                     "(--api-key or KILN_API_KEY)", opts.port)
+    from ..hub import download_model_args  # noqa: PLC0415
+
+    args = download_model_args(args)  # a Hub model: its snapshot folder, before the core starts
     core = CoreProcess(args, opts.log_level)
     try:
         info = core.start()

@@ -1,0 +1,183 @@
+"""The Hugging Face Hub as a model source: ``hf://ORG/NAME[@REVISION]`` or plain ``ORG/NAME``.
+
+A snapshot is downloaded with ``huggingface_hub`` (``model_info`` for the commit sha and the
+file list, then ``hf_hub_download`` per file: its cache layout, ``.incomplete`` files resumed
+with a Range request, files of a cached commit not fetched again).  Only the files a model
+needs are fetched (``ALLOW_PATTERNS``).  The endpoint, token and cache folder come in as a
+:class:`HubOptions` from the CLI/config layer (``config.env_hub_options``); this module reads
+no environment variable.
+
+Errors are :class:`HubError` (a ``ValueError``) with one line and a ``reason``:
+``ModelNotFound``, ``RevisionNotFound``, ``Unauthorized`` or ``DownloadFailed``; the message
+starts with the reason so a build's termination message carries it to the operator.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+HF_SCHEME = "hf://"
+# What a model needs: config, weights, tokenizer, generation config, chat template
+ALLOW_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                  "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja")
+# ``org/name`` as the Hub spells repo ids (a plain one is taken only when no such path exists)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """How to reach the Hub.  ``endpoint``: a mirror's base URL (None: huggingface.co);
+    ``token``: a user access token (None: anonymous); ``cache_dir``: the download cache
+    (None: huggingface_hub's default, ``$HF_HOME/hub``); ``timeout_s``: seconds to wait for
+    the server's metadata replies."""
+
+    endpoint: str | None = None
+    token: str | None = None
+    cache_dir: Path | None = None
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A parsed Hub reference: ``repo`` ``org/name``, ``revision`` a branch, tag or commit
+    (None: the default branch)."""
+
+    repo: str
+    revision: str | None = None
+
+    def uri(self) -> str:
+        """``hf://repo[@revision]``."""
+        return HF_SCHEME + self.repo + (f"@{self.revision}" if self.revision else "")
+
+
+class HubError(ValueError):
+    """A Hub download that cannot succeed without a change; ``reason`` is one of
+    ModelNotFound, RevisionNotFound, Unauthorized, DownloadFailed.  (A ValueError, as
+    ``loader.ModelSourceError`` is; this module stays free of torch for the CLI's parser.)"""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+def parse_ref(src: str | None) -> HubRef | None:
+    """``hf://ORG/NAME[@REV]`` or ``ORG/NAME[@REV]`` (only when no such local path exists) as a
+    :class:`HubRef`; None for anything else (builtin:, a path).
+
+    Raises:
+        HubError: an ``hf://`` reference that is not ``org/name`` (reason ModelNotFound).
+    """
+    if not src:
+        return None
+    s = str(src).strip()
+    explicit = s.startswith(HF_SCHEME)
+    if explicit:
+        s = s[len(HF_SCHEME):]
+    elif s.startswith(("builtin:", "pvc://", "/", ".", "~")) or Path(s).exists():
+        return None
+    repo, _, rev = s.partition("@")
+    if not _REPO_ID.match(repo) or (_ and not rev):
+        if explicit:
+            raise HubError("ModelNotFound", f"{src!r} is not a Hub reference (expected hf://org/name[@revision])")
+        return None
+    return HubRef(repo, rev or None)
+
+
+def _fail(ref: HubRef, e: Exception, opts: HubOptions) -> HubError:
+    """The one-line :class:`HubError` for an exception of huggingface_hub or httpx."""
+    import httpx  # noqa: PLC0415
+    from huggingface_hub import errors  # noqa: PLC0415
+
+    where = opts.endpoint or "https://huggingface.co"
+    if isinstance(e, errors.GatedRepoError) or (
+            isinstance(e, errors.HfHubHTTPError) and getattr(e.response, "status_code", None) in (401, 403)):
+        how = "the token was refused" if opts.token else "it needs a token (set HF_TOKEN)"
+        return HubError("Unauthorized", f"access to {ref.repo} on {where} denied: {how}")
+    if isinstance(e, errors.RevisionNotFoundError):
+        return HubError("RevisionNotFound", f"revision {ref.revision!r} of {ref.repo} not found on {where}")
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return HubError("ModelNotFound", f"model {ref.repo} not found on {where}")
+    if isinstance(e, errors.EntryNotFoundError):
+        return HubError("DownloadFailed", f"a file of {ref.uri()} listed by {where} is missing there")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, (httpx.HTTPError, errors.HfHubHTTPError, errors.LocalEntryNotFoundError, OSError)):
+        return HubError("DownloadFailed", f"cannot download {ref.uri()} from {where}: {first}")
+    return HubError("DownloadFailed", f"cannot download {ref.uri()} from {where}: {type(e).__name__}: {first}")
+
+
+def resolve_commit(ref: HubRef, opts: HubOptions) -> tuple[str, list[str]]:
+    """The commit sha ``ref.revision`` (or the default branch) points at now, and the repo's
+    files there that a model needs (sorted).
+
+    Raises:
+        HubError: unknown repo or revision, refused access, no connection.
+    """
+    from huggingface_hub import HfApi  # noqa: PLC0415
+
+    api = HfApi(endpoint=opts.endpoint, token=opts.token or False)
+    try:
+        info = api.model_info(ref.repo, revision=ref.revision, timeout=opts.timeout_s)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one classified line
+        raise _fail(ref, e, opts) from None
+    files = sorted(s.rfilename for s in (info.siblings or [])
+                   if any(fnmatch.fnmatch(s.rfilename, p) for p in ALLOW_PATTERNS))
+    if not info.sha or not _COMMIT.match(info.sha):
+        raise HubError("DownloadFailed", f"{opts.endpoint or 'the Hub'} gave no commit sha for {ref.uri()}")
+    if "config.json" not in files:
+        raise HubError("ModelNotFound", f"{ref.uri()} has no config.json: not a transformers model folder")
+    return info.sha, files
+
+
+def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | None = None,
+             resolved: tuple[str, list[str]] | None = None) -> tuple[Path, str]:
+    """Download ``ref``'s model files into the cache; returns ``(snapshot folder, commit sha)``.
+
+    The revision is resolved to a commit once; every file is then fetched at that commit, so
+    a branch that moves during the download cannot mix two commits.  Files already in the
+    cache for the commit are not fetched again; a partial file is resumed.  ``resolved``: the
+    ``(commit, files)`` of an earlier :func:`resolve_commit` (not asked again).
+
+    Raises:
+        HubError: see :func:`resolve_commit`; a dropped connection that retries cannot heal.
+    """
+    from huggingface_hub import hf_hub_download  # noqa: PLC0415
+
+    say = progress or (lambda m: None)
+    sha, files = resolved or resolve_commit(ref, opts)
+    say(f"{ref.uri()} is commit {sha}; {len(files)} files")
+    folder: Path | None = None
+    for i, name in enumerate(files, 1):
+        try:
+            p = Path(hf_hub_download(ref.repo, name, revision=sha, cache_dir=opts.cache_dir, endpoint=opts.endpoint,
+                                     token=opts.token or False, etag_timeout=opts.timeout_s))
+        except Exception as e:  # noqa: BLE001
+            raise _fail(HubRef(ref.repo, ref.revision or sha), e, opts) from None
+        say(f"[{i}/{len(files)}] {name} ({p.stat().st_size / 1e6:.1f} MB)")
+        folder = p.parents[len(Path(name).parts) - 1]
+    assert folder is not None  # files holds config.json
+    return folder, sha
+
+
+def download_model_args(args):
+    """``args`` (an ``EngineArgs``) with a Hub ``model`` (``hf://org/name[@rev]``, ``org/name``)
+    downloaded and replaced by its snapshot folder, a progress line per file on stderr; the
+    served model name defaults to the repo id.  Other sources come back unchanged.
+
+    Raises:
+        HubError: the download cannot succeed.
+    """
+    import sys  # noqa: PLC0415
+    from dataclasses import replace  # noqa: PLC0415
+
+    ref = parse_ref(args.model)
+    if ref is None:
+        return args
+    folder, _ = download(ref, args.hub or HubOptions(),
+                         progress=lambda m: print(f"kiln: hub: {m}", file=sys.stderr, flush=True))
+    return replace(args, model=str(folder), served_model_name=args.served_model_name or ref.repo)

@@ -1,0 +1,195 @@
+"""The Hugging Face Hub source (``hf://org/name[@rev]``) through the real ``huggingface_hub``
+client against a loopback server speaking the Hub's HTTP API (``kiln.devcluster.hubserver``),
+reached through ``HF_ENDPOINT`` as a mirror would be."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kiln.devcluster.hubserver import HubServer
+from kiln.runtime.demo import free_port, wait_ready
+
+REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TINY = "kiln-test/tiny-llama"
+GATED = "kiln-test/gated"
+TOKEN = "hf_kilntesttoken"
+
+
+@pytest.fixture(scope="module")
+def hub(smollm_hf, tiny_model):
+    with HubServer() as s:
+        s.add(REPO, Path(smollm_hf.path))
+        s.add(TINY, tiny_model, refs=("main", "v1"))
+        s.add(GATED, tiny_model, token=TOKEN)
+        yield s
+
+
+def _env(hub: HubServer, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_ENDPOINT": hub.url, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _kiln(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.runtime.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_build_from_the_hub_pins_the_commit_and_reuses_the_cache(hub, tiny_model, tmp_path, monkeypatch):
+    from kiln.common.manifest import read_manifest
+    from kiln.runtime.build_cli import main
+
+    for k in [k for k in os.environ if k.startswith("HF_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    cache = tmp_path / "hf-cache"
+    gets0, infos0 = hub.total_gets(), hub.infos
+    assert main(["--model", f"hf://{TINY}@v1", "--quantization", "none", "--output", str(tmp_path / "a"),
+                 "--download-dir", str(cache), "--termination-log", ""]) == 0
+    downloaded = hub.total_gets() - gets0
+    assert hub.infos - infos0 == 1  # the revision is resolved once per build
+    assert downloaded == len([f for f in os.listdir(tiny_model)])  # config, weights, tokenizer files
+    m = read_manifest(tmp_path / "a")
+    sha = hub.repos[TINY].sha
+    assert m["build_spec"]["source"] == {"kind": "huggingFace", "repo": TINY, "revision": sha}
+    assert m["source"]["ref"] == f"hf://{TINY}@{sha}"
+    # the same weights as the engine built from the local folder
+    assert main(["--model", str(tiny_model), "--quantization", "none", "--output", str(tmp_path / "local"),
+                 "--termination-log", ""]) == 0
+    local = read_manifest(tmp_path / "local")
+    assert m["source"]["sha256"] == local["source"]["sha256"]
+    assert m["weights"]["files"] == local["weights"]["files"]
+    assert m["engine_hash"] != local["engine_hash"]  # the hash names the source (repo@commit)
+    # plain org/name (the default branch) is the same commit, so the same engine; another
+    # quantization of it downloads nothing (the cache)
+    gets1 = hub.total_gets()
+    assert main(["--model", TINY, "--quantization", "none", "--output", str(tmp_path / "a"),
+                 "--download-dir", str(cache), "--termination-log", ""]) == 0
+    assert main(["--model", f"hf://{TINY}", "--quantization", "fp8", "--calibration-samples", "2",
+                 "--output", str(tmp_path / "b"), "--download-dir", str(cache), "--termination-log", ""]) == 0
+    assert hub.total_gets() == gets1
+    assert read_manifest(tmp_path / "b")["build_spec"]["source"]["revision"] == sha
+
+
+def test_a_dropped_download_resumes(hub, tmp_path, monkeypatch):
+    from kiln.runtime import hub as hubmod
+
+    hub.drop_gets, hub.drop_after = 1, 100  # the first file GET breaks after 100 bytes
+    try:
+        folder, sha = hubmod.download(hubmod.HubRef(TINY), hubmod.HubOptions(endpoint=hub.url, cache_dir=tmp_path))
+    finally:
+        hub.drop_gets = 0
+    assert sha == hub.repos[TINY].sha
+    src = hub.repos[TINY].folder
+    for f in os.listdir(folder):
+        assert (folder / f).read_bytes() == (src / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("model, env_extra, reason", [
+    (f"hf://{TINY[:-1]}x", {}, "ModelNotFound"),
+    (f"hf://{TINY}@no-such-branch", {}, "RevisionNotFound"),
+    (f"hf://{GATED}", {}, "Unauthorized"),
+    (f"hf://{GATED}", {"HF_TOKEN": "hf_wrong"}, "Unauthorized"),
+    (f"hf://{GATED}", {"HF_TOKEN": TOKEN, "drop": "1"}, "DownloadFailed"),
+    (f"hf://{TINY}", {"HF_ENDPOINT": "closed"}, "DownloadFailed"),
+])
+def test_build_errors_are_one_line_exit_2_and_write_nothing(hub, tmp_path, model, env_extra, reason):
+    env_extra = dict(env_extra)
+    drop = env_extra.pop("drop", None)
+    if env_extra.get("HF_ENDPOINT") == "closed":
+        env_extra["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
+    out, term = tmp_path / "engine", tmp_path / "termination-log"
+    term.write_text("")
+    if drop:
+        hub.drop_gets, hub.drop_after = -1, 0  # every file GET breaks: the client's retries cannot heal it
+    try:
+        r = _kiln("build", "--model", model, "--quantization", "none", "--output", str(out),
+                  "--download-dir", str(tmp_path / "cache"), "--termination-log", str(term),
+                  env=_env(hub, **env_extra))
+    finally:
+        hub.drop_gets = 0
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("kiln build: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"kiln build: error: {reason}: "), r.stderr
+    assert term.read_text().startswith(f"kiln build: {reason}: ")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["termination-log"]  # no engine
+    if reason == "Unauthorized":
+        assert TOKEN not in r.stderr
+
+
+def test_serve_from_the_hub_generates_as_the_local_folder(hub, smollm_hf, tmp_path):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "--log-level", "WARNING", "serve",
+                             "--model", f"hf://{REPO}", "--download-dir", str(tmp_path / "cache"),
+                             "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "64"],
+                            env=_env(hub), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_ready(base, proc, timeout_s=600)
+        except RuntimeError:
+            raise AssertionError((tmp_path / "serve.log").read_text()[-4000:]) from None
+        r = httpx.post(f"{base}/v1/completions", json={"model": REPO, "prompt": "The capital of France is",
+                                                        "max_tokens": 8, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        served = r.json()["choices"][0]["text"]
+        assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"] == REPO
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "kiln: hub: [" in (tmp_path / "serve.log").read_text()  # a progress line per file
+    llm = LLM(model=str(smollm_hf.path), num_kv_blocks=64)
+    local = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert served == local.outputs[0].text
+
+
+def test_serve_error_is_one_line_exit_2(hub, tmp_path):
+    r = _kiln("serve", "--model", f"hf://{GATED}", "--port", "0", "--download-dir", str(tmp_path), env=_env(hub))
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("kiln: error:")]
+    assert len(errors) == 1 and errors[0].startswith("kiln: error: Unauthorized: access to kiln-test/gated"), r.stderr
+
+
+def test_parse_ref():
+    from kiln.runtime.hub import HubError, HubRef, parse_ref
+
+    assert parse_ref("hf://a/b@v1") == HubRef("a/b", "v1")
+    assert parse_ref("a/b") == HubRef("a/b")
+    assert parse_ref("builtin:smollm2-135m-instruct") is None
+    assert parse_ref("./a/b") is None and parse_ref("/a/b") is None
+    with pytest.raises(HubError, match="ModelNotFound"):
+        parse_ref("hf://justaname")
+    assert json.dumps(HubRef("a/b", "c").uri()) == '"hf://a/b@c"'
+
+
+def test_eval_and_llm_read_the_hub_model_as_the_local_folder(hub, tiny_model, tmp_path, monkeypatch):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    ppl = {}
+    for name, model in (("hub", f"hf://{TINY}@v1"), ("local", str(tiny_model))):
+        r = _kiln("eval", "perplexity", "--model", model, "--max-tokens", "64", "--json",
+                  env=_env(hub, HF_HOME=str(tmp_path / "hf")))
+        assert r.returncode == 0, r.stderr
+        ppl[name] = json.loads(r.stdout)
+    assert ppl["hub"]["perplexity"] == ppl["local"]["perplexity"]
+    for k in [k for k in os.environ if k.startswith("HF_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the cache eval filled: nothing downloaded again
+    gets = hub.total_gets()
+    params = SamplingParams(max_tokens=6, temperature=0)
+    got = LLM(model=TINY, num_kv_blocks=32).generate(["Hello there"], params)[0].outputs[0].token_ids
+    assert hub.total_gets() == gets
+    want = LLM(model=str(tiny_model), num_kv_blocks=32).generate(["Hello there"], params)[0].outputs[0].token_ids
+    assert list(got) == list(want)
