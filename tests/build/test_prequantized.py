@@ -273,7 +273,16 @@ def test_smollm_greedy_matches_transformers(smollm_prequant, scheme):
     """On the runtime's 16 parity prompts, ``LLM(model=<checkpoint>)`` gives transformers'
     greedy tokens on the same llm-compressor checkpoint; where a continuation differs, it
     differs at a near tie of transformers' own logits (top two within 0.1), which the float16
-    int4 scales or the accumulation order can flip."""
+    int4 scales or the accumulation order can flip.
+
+    With activations quantized per token (FP8_DYNAMIC, W8A8) the forward is discontinuous: one
+    float32 rounding difference (2.4e-7 on SmolLM2's layer-16 input) moves one activation code
+    a grid step, and 14 more layers grow that into logit moves of 1-3 -- transformers' own
+    forward in float64 vs float32 on the same checkpoint moves them 0.7-3.3.  There the tie
+    allowance at a divergence is 0.1 plus that measured float64-vs-float32 move of the
+    reference at the same position, so Kiln's token must still be one transformers itself
+    picks up to its own rounding, and Kiln's continuations equal transformers' float32 ones on
+    at most two prompts fewer than transformers' float64 ones do."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
@@ -291,18 +300,27 @@ def test_smollm_greedy_matches_transformers(smollm_prequant, scheme):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
     hf = hf_model(path)
-    same = 0
+    hf64 = hf_model(path).double() if scheme in ("FP8_DYNAMIC", "W8A8") else None
+    same = same_ref = 0
     with torch.inference_mode():
         for ids, g in zip(prompts, got):
             inp = torch.tensor([ids])
-            want = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=MAX_NEW_TOKENS,
-                               do_sample=False, min_new_tokens=MAX_NEW_TOKENS, pad_token_id=2)[0, len(ids):].tolist()
+            kw = dict(attention_mask=torch.ones_like(inp), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                      min_new_tokens=MAX_NEW_TOKENS, pad_token_id=2)
+            want = hf.generate(inp, **kw)[0, len(ids):].tolist()
+            if hf64 is not None:
+                same_ref += hf64.generate(inp, **kw)[0, len(ids):].tolist() == want
             if want == g:
                 same += 1
                 continue
             i = next(j for j, (a, b) in enumerate(zip(want, g)) if a != b)
-            logits = hf(torch.tensor([ids + want[:i]])).logits[0, -1].float()
+            prefix = torch.tensor([ids + want[:i]])
+            logits = hf(prefix).logits[0, -1].float()
             margin = float(logits[want[i]] - logits[g[i]])
-            assert margin < 0.1, (scheme, ids[:8], i, margin)
-    print(f"{scheme}: {same}/{len(prompts)} prompts token-for-token")
-    assert same >= len(prompts) - 2
+            tie = 0.1
+            if hf64 is not None:  # the reference's own float32 rounding move at this position
+                tie += float((hf64(prefix).logits[0, -1] - logits.double()).abs().max())
+            assert margin < tie, (scheme, ids[:8], i, margin, tie)
+    print(f"{scheme}: {same}/{len(prompts)} prompts token-for-token"
+          + (f" (transformers float64 vs float32: {same_ref})" if hf64 is not None else ""))
+    assert same >= (same_ref if hf64 is not None else len(prompts)) - 2
