@@ -258,17 +258,18 @@ def test_auto_in_the_spec_and_the_job_arguments():
 
 @pytest.fixture(scope="session")
 def smollm_prequant(tmp_path_factory, smollm_hf) -> dict[str, Path]:
-    """llm-compressor's FP8_DYNAMIC, W8A8 and W4A16 (group 64: SmolLM2's 576 hidden features
+    """llm-compressor's FP8_DYNAMIC and W4A16 (group 64: SmolLM2's 576 hidden features
     take no 128) of the embedded SmolLM2, data-free."""
     root = tmp_path_factory.mktemp("smollm-prequant")
     src = Path(smollm_hf.path)
     return {"FP8_DYNAMIC": producers.llmcompressor_checkpoint(src, root / "fp8", "FP8_DYNAMIC"),
-            "W8A8": producers.llmcompressor_checkpoint(src, root / "w8a8", "W8A8"),
             "W4A16": producers.llmcompressor_checkpoint(src, root / "w4a16", "W4A16", group_size=64)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W8A8", "W4A16"])
+# W8A8 on SmolLM2 is left to the tiny-model logit tests: its whole-continuation count check is
+# trivial here (transformers float64 vs float32 agree on 2 of 16) and it costs minutes.
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16"])
 def test_smollm_greedy_matches_transformers(smollm_prequant, scheme):
     """On the runtime's 16 parity prompts, ``LLM(model=<checkpoint>)`` gives transformers'
     greedy tokens on the same llm-compressor checkpoint; where a continuation differs, it

@@ -116,11 +116,11 @@ def test_failing_step_aborts_the_call_and_frees_its_blocks(llm, monkeypatch):
     orig = runner.execute
     calls = {"n": 0}
 
-    def flaky(out, rows):
+    def flaky(out, rows, *rest):
         calls["n"] += 1
         if calls["n"] == 3:  # fail mid-generation, with blocks allocated
             raise RuntimeError("injected device error")
-        return orig(out, rows)
+        return orig(out, rows, *rest)
 
     monkeypatch.setattr(runner, "execute", flaky)
     with pytest.raises(RuntimeError, match="injected"):
