@@ -255,3 +255,15 @@ def test_serve_flags_reach_engine_args():
     for bad, msg in ((["noequals"], "NAME=FOLDER"), (["a=/x", "a=/y"], "twice"), (["=/x"], "NAME=FOLDER")):
         with pytest.raises(ValueError, match=msg):
             parse_lora_modules(bad)
+
+
+def test_adapter_named_like_the_base_is_refused(lora_setup, tmp_path):
+    from kiln.runtime import LLM
+
+    _, _, adapters = lora_setup
+    folder, _ = next(iter(adapters.values()))
+    model_dir = tmp_path / "base"
+    model_dir.mkdir()
+    with pytest.raises(ValueError, match="base model's name"):
+        LLM(model=_config(model_dir), load_format="dummy", num_kv_blocks=16, served_model_name="m",
+            lora_modules={"m": folder}, max_lora_rank=16)

@@ -42,6 +42,9 @@ class LLMEngine:
         self.model_config = lm.model_config
         self.max_model_len = self.core.max_model_len
         self.served_model_name = args.served_model_name or self.model_ref
+        if self.served_model_name in self.args.lora_modules:
+            raise ValueError(f"lora_modules: {self.served_model_name!r} is the base model's name; "
+                             "give the adapter another name")
         self.input = InputProcessor(self.tokenizer, ModelLimits(
             self.max_model_len, self.model_config.vocab_size, self.args.block_size, self.runner.num_kv_blocks,
             self.served_model_name))

@@ -102,6 +102,8 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
 
         core = EngineCore(args)
         name = args.served_model_name or core.loaded.model_ref
+        if name in args.lora_modules:
+            raise ValueError(f"--lora-modules: {name!r} is the base model's name; give the adapter another name")
         metrics = Metrics(name)
         _warmup(core, core.max_model_len)
         core.stat_logger = metrics

@@ -11,6 +11,7 @@ least one call, forced by the format's grammar), ``{"type": "function", "functio
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,9 @@ class ToolPlan:
         return content or None, p.calls
 
 
+# OpenAI's rule for function names; anything else could break the parsers' markup
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 def plan_tools(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
     """Check the request's tools; None when the output is plain text (no tools, or
     ``tool_choice: none``).
@@ -88,6 +92,11 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
         f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
             raise InvalidRequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
+        if not _TOOL_NAME.fullmatch(f["name"]):
+            raise InvalidRequestError(f"tools[{i}].function.name {f['name'][:80]!r} must be 1 to 64 letters, digits, "
+                                      "'_' or '-' (as OpenAI's API)")
+        if any(g["name"] == f["name"] for g in fns):
+            raise InvalidRequestError(f"tools[{i}]: two tools are named {f['name']!r}")
         if not isinstance(f.get("parameters"), dict):
             raise InvalidRequestError(f"tools[{i}] ({f['name']}) has no parameters: give function.parameters, a JSON "
                                       'schema ({"type": "object", "properties": {}} for none)')
