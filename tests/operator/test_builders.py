@@ -92,7 +92,8 @@ def test_uncalibrated_build_needs_no_gpu_and_pvc_sources_are_mounted():
     # fp8 calibrates (GPTQ-compensated weights): its build gets a GPU
     fp8 = container(b.build_job({**spec, "build": {"quantization": "fp8"}}, "0" * 16, OWNER))
     assert fp8["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert ctr["args"][ctr["args"].index("--model") + 1] == "/models/llama/model.gguf"
+    a = ctr["args"]  # hashed as the claim path, read where the claim is mounted
+    assert a[a.index("--model") + 1] == "pvc://models/llama/model.gguf" and a[a.index("--models-mount") + 1] == "/models"
     vols = {v["name"]: v for v in j["spec"]["template"]["spec"]["volumes"]}
     assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
 

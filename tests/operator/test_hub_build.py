@@ -102,3 +102,33 @@ def test_plan_degrades_with_the_download_reason():
     deg = next(x for x in p.status["conditions"] if x["type"] == "Degraded")
     assert p.phase == "Degraded" and deg["status"] == "True" and deg["reason"] == "Unauthorized"
     assert "the token was refused" in deg["message"]
+
+
+@pytest.mark.parametrize("model", [
+    {"builtin": "smollm2-135m-instruct"},
+    {"pvc": {"claimName": "models", "path": "llama/./m.gguf"}},
+    {"pvc": {"claimName": "models"}},
+    {"path": "/data/models/llama"},
+], ids=["builtin", "pvc", "pvc-root", "path"])  # the Hub's: the test above (--print-hash resolves the revision)
+@pytest.mark.parametrize("quant", ["none", "int4-awq"])
+def test_build_job_args_hash_to_the_operators_engine(model, quant, capsys):
+    """``kiln build --print-hash`` on the Job's own arguments (the real parser and spec code)
+    names the engine folder the operator waits for, for every model source kind."""
+    build = pytest.importorskip("kiln.runtime.build_cli")
+    spec = {"model": model, "build": {"quantization": quant}, "storage": {"claimName": "engines"}}
+    h = engine_hash(spec)
+    args = _ctr(b.build_job(spec, h, OWNER))["args"]
+    parser = build.add_build_args(argparse.ArgumentParser())
+    assert build.run_build(parser.parse_args([*args, "--print-hash"])) == 0
+    assert capsys.readouterr().out.strip() == h
+    if "pvc" in model:
+        assert parser.parse_args(args).models_mount == "/models"
+
+
+def test_a_claim_path_that_leaves_the_claim_is_refused():
+    from kiln.common.enginespec import EngineSpecError
+
+    with pytest.raises(EngineSpecError, match="leaves the claim"):
+        engine_hash({"model": {"pvc": {"claimName": "m", "path": "../etc"}}})
+    with pytest.raises(EngineSpecError, match="leaves the claim"):
+        BuildSpec.from_cli("pvc://m/a/../../x")

@@ -33,20 +33,9 @@ from typing import Any, Mapping
 from .constants import ENGINE_FORMAT_VERSION, HASH_LENGTH
 
 __all__ = [
-    "QUANTIZATION_METHODS",
-    "CALIBRATING_METHODS",
-    "GROUP_SIZES",
-    "KV_CACHE_DTYPES",
-    "BUILD_DEFAULTS",
-    "EngineSpecError",
-    "ModelRef",
-    "CalibrationRef",
-    "BuildSpec",
-    "parse_quantity",
-    "canonical_json",
-    "normalize_build_spec",
-    "engine_hash",
-    "engine_dir",
+    "QUANTIZATION_METHODS", "CALIBRATING_METHODS", "GROUP_SIZES", "KV_CACHE_DTYPES", "BUILD_DEFAULTS",
+    "EngineSpecError", "ModelRef", "CalibrationRef", "BuildSpec", "parse_quantity", "canonical_json",
+    "normalize_build_spec", "engine_hash", "engine_dir",
 ]
 
 # --- build knobs --------------------------------------------------------------------------
@@ -88,6 +77,15 @@ _SUFFIX = {
 class EngineSpecError(ValueError):
     """A build spec that cannot be normalized: unknown method, bad group size, no model
     source or more than one, a malformed quantity.  The message names the field."""
+
+
+def _claim_path(path: Any, field_name: str) -> str:
+    """A path on a claim, normalized (``a/./b`` = ``a/b``, no leading ``/``; ``.`` for the
+    claim's root).  Raises ``EngineSpecError`` for a path that leaves the claim (``..``)."""
+    p = os.path.normpath(str(path or ".")).lstrip("/") or "."
+    if p == ".." or p.startswith("../"):
+        raise EngineSpecError(f"{field_name}: {path!r} leaves the claim; give a path inside it")
+    return p
 
 
 def parse_quantity(value: Any, field_name: str = "value") -> Decimal:
@@ -191,7 +189,9 @@ class ModelRef:
             return cls(kind="builtin", name=src[len("builtin:"):].strip().lower(), checksum=checksum)
         if src.startswith("pvc://"):
             claim, _, path = src[len("pvc://"):].partition("/")
-            return cls(kind="pvc", claim_name=claim, path=path, checksum=checksum)
+            if not claim:
+                raise EngineSpecError(f"model: {src!r} names no claim (pvc://CLAIM/PATH)")
+            return cls(kind="pvc", claim_name=claim, path=_claim_path(path, "model"), checksum=checksum)
         if src.startswith("hf://"):
             repo, _, rev = src[len("hf://"):].partition("@")
             return cls(kind="huggingFace", repo=repo, revision=rev or None, checksum=checksum)
@@ -220,8 +220,8 @@ class ModelRef:
         if kind == "pvc":
             if not isinstance(v, Mapping) or not v.get("claimName"):
                 raise EngineSpecError("model.pvc: claimName is required")
-            path = os.path.normpath(str(v.get("path") or ".")).lstrip("/") or "."
-            return cls(kind=kind, claim_name=str(v["claimName"]), path=path, checksum=checksum)
+            return cls(kind=kind, claim_name=str(v["claimName"]), path=_claim_path(v.get("path"), "model.pvc.path"),
+                       checksum=checksum)
         if not isinstance(v, Mapping) or not v.get("repo"):
             raise EngineSpecError("model.huggingFace: repo is required")
         return cls(kind=kind, repo=str(v["repo"]), revision=v.get("revision") or None,
@@ -234,16 +234,20 @@ class ModelRef:
              "checksum": self.checksum.lower() if self.checksum else None}
         return {k: v for k, v in d.items() if v is not None}
 
-    def to_cli(self, models_mount: str = "/models") -> str:
-        """The ``--model SRC`` argument for ``kiln build``/``kiln serve``.  A ``pvc`` source is
-        read from where the claim is mounted (``models_mount``)."""
+    def to_cli(self) -> str:
+        """The ``--model SRC`` argument for ``kiln build``: parsed back by ``from_string``, it
+        gives this very source (so the build hashes what the operator hashed)."""
         if self.kind == "builtin":
             return f"builtin:{self.name}"
         if self.kind == "path":
             return str(self.path)
         if self.kind == "pvc":
-            return os.path.join(models_mount, self.path or ".")
+            return f"pvc://{self.claim_name}/{self.path}"
         return f"hf://{self.repo}" + (f"@{self.revision}" if self.revision else "")
+
+    def mounted_path(self, models_mount: str) -> str:
+        """Where a ``pvc`` source is read from when its claim is mounted at ``models_mount``."""
+        return os.path.join(models_mount, self.path or ".")
 
 
 @dataclass(frozen=True)
@@ -444,8 +448,9 @@ class BuildSpec:
 
     def to_build_args(self, output: str, models_mount: str = "/models", calibration_mount: str = CALIBRATION_MOUNT) -> list[str]:
         """The ``kiln build`` arguments (after ``build``) that build exactly this spec."""
-        args = ["--model", self.source.to_cli(models_mount), "--output", output,
-                "--quantization", self.quantization]
+        args = ["--model", self.source.to_cli(), "--output", output, "--quantization", self.quantization]
+        if self.source.kind == "pvc":
+            args += ["--models-mount", models_mount]
         if self.quantization in GROUPED_METHODS:
             args += ["--group-size", str(self.group_size)]
             if self.lm_head_quantized:

@@ -251,7 +251,6 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
 
     from . import loader  # noqa: PLC0415
     from .config import env_cpu_threads  # noqa: PLC0415
-    from .model.config import ModelConfig, UnsupportedModelError  # noqa: PLC0415
     from .model.llama import LlamaForCausalLM  # noqa: PLC0415
     from .model_runner import resolve_device  # noqa: PLC0415
     from .quantization import QuantizationError, QuantSettings, get_handler  # noqa: PLC0415
@@ -260,20 +259,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     threads = env_cpu_threads()
     if threads:
         torch.set_num_threads(threads)
-    try:
-        src = loader.resolve_source(model_src)
-        say(f"source {src.ref} ({src.kind}: {src.path}); hashing")
-        checksum = source_checksum(src)
-        if spec.source.checksum and spec.source.checksum.lower() != checksum:
-            raise BadInputError(f"source checksum mismatch: expected {spec.source.checksum}, the source has {checksum}")
-        hf = loader.materialize_gguf(src)
-        cfg_dict = loader.load_hf_config_dict(hf)
-        cfg = ModelConfig.from_hf_dict(cfg_dict)
-        cq = loader.checkpoint_quantization(hf)  # an unsupported checkpoint fails before the heavy work
-        _check_prequantized(spec, cq, src.ref)
-        tok = loader.load_tokenizer(hf)
-    except (loader.ModelSourceError, UnsupportedModelError) as e:
-        raise BadInputError(str(e)) from e
+    src, checksum, hf, cfg, cq, tok = _open_source(spec, model_src, say)
     kv = spec.kv_cache_dtype == "fp8"
     if tok is None:  # checked before calibration and quantization, which take minutes
         raise BadInputError(f"no tokenizer in {hf.path} (tokenizer.json, tokenizer_config.json or tokenizer.model): "
@@ -311,26 +297,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         if missing:
             raise BadInputError(f"corrupt source {src.ref}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    samples = None
-    calib_info = None
-    if (handler.needs_calibration and cq is None) or kv:
-        data = spec.calibration.path if spec.calibration else calibration.default_calibration_path()
-        try:
-            samples, per_domain = calibration.calibration_samples_by_domain(tok, spec.calibration_samples, data=data)
-            data_sha = calibration.sha256_of(data)
-        except (ValueError, OSError) as e:  # CalibrationDataError: the file changed or vanished since the CLI read it
-            raise BadInputError(f"calibration data: {e}") from e
-        if spec.calibration and data_sha != spec.calibration.checksum:
-            raise BadInputError(f"calibration data {data}: checksum mismatch: expected {spec.calibration.checksum}, "
-                                f"the file has {data_sha}")
-        calib_info = {"data": str(data) if spec.calibration else "kiln/runtime/data/" + data.name,
-                      "data_sha256": data_sha, "samples_requested": spec.calibration_samples,
-                      "samples_used": len(samples), "samples_per_domain": per_domain,
-                      "sample_tokens": calibration.SAMPLE_TOKENS}
-        say("calibration: " + ", ".join(f"{d} {n}" for d, n in per_domain.items()) + " samples")
-        if len(samples) < spec.calibration_samples:
-            say(f"the calibration data holds {len(samples)} samples of up to {calibration.SAMPLE_TOKENS} tokens; "
-                "using all of them")
+    samples, calib_info = _calibration(spec, handler, cq, kv, tok, say)
     say(f"quantization {settings.method}" + (" (LM head too)" if settings.lm_head else "")
         + (", KV cache fp8" if kv else ""))
     last = [0.0]
@@ -352,6 +319,72 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     say(f"writing {len(tensors)} tensors")
     # one metadata key only: safetensors writes the metadata map in hash-map order
     files = _save_weights(tensors, tmp, {"format": "pt"})
+    _write_manifest(spec, tmp, h, cfg, settings, store_dtype, files, tok, src, checksum, calib_info, dev)
+
+
+def _open_source(spec: BuildSpec, model_src: str, say: Progress):
+    """Resolve, hash and read the source's config, checkpoint quantization and tokenizer:
+    ``(source, sha256, hf folder, ModelConfig, CheckpointQuantization | None, tokenizer | None)``.
+
+    Raises:
+        BadInputError: an unknown or corrupt source, a checksum mismatch, an unsupported model or
+            checkpoint quantization.
+    """
+    from . import loader  # noqa: PLC0415
+    from .model.config import ModelConfig, UnsupportedModelError  # noqa: PLC0415
+
+    try:
+        src = loader.resolve_source(model_src)
+        say(f"source {src.ref} ({src.kind}: {src.path}); hashing")
+        checksum = source_checksum(src)
+        if spec.source.checksum and spec.source.checksum.lower() != checksum:
+            raise BadInputError(f"source checksum mismatch: expected {spec.source.checksum}, the source has {checksum}")
+        hf = loader.materialize_gguf(src)
+        cfg = ModelConfig.from_hf_dict(loader.load_hf_config_dict(hf))
+        cq = loader.checkpoint_quantization(hf)  # an unsupported checkpoint fails before the heavy work
+        _check_prequantized(spec, cq, src.ref)
+        tok = loader.load_tokenizer(hf)
+    except (loader.ModelSourceError, UnsupportedModelError) as e:
+        raise BadInputError(str(e)) from e
+    return src, checksum, hf, cfg, cq, tok
+
+
+def _calibration(spec: BuildSpec, handler, cq, kv: bool, tok, say: Progress):
+    """The calibration samples (token id lists) and the manifest's ``calibration`` record, or
+    ``(None, None)`` when neither the method nor the FP8 KV cache calibrates.
+
+    Raises:
+        BadInputError: the calibration data is unreadable or changed since the CLI hashed it.
+    """
+    from .quantization import calibration  # noqa: PLC0415
+
+    if not ((handler.needs_calibration and cq is None) or kv):
+        return None, None
+    data = spec.calibration.path if spec.calibration else calibration.default_calibration_path()
+    try:
+        samples, per_domain = calibration.calibration_samples_by_domain(tok, spec.calibration_samples, data=data)
+        data_sha = calibration.sha256_of(data)
+    except (ValueError, OSError) as e:  # CalibrationDataError: the file changed or vanished since the CLI read it
+        raise BadInputError(f"calibration data: {e}") from e
+    if spec.calibration and data_sha != spec.calibration.checksum:
+        raise BadInputError(f"calibration data {data}: checksum mismatch: expected {spec.calibration.checksum}, "
+                            f"the file has {data_sha}")
+    calib_info = {"data": str(data) if spec.calibration else "kiln/runtime/data/" + data.name,
+                  "data_sha256": data_sha, "samples_requested": spec.calibration_samples,
+                  "samples_used": len(samples), "samples_per_domain": per_domain,
+                  "sample_tokens": calibration.SAMPLE_TOKENS}
+    say("calibration: " + ", ".join(f"{d} {n}" for d, n in per_domain.items()) + " samples")
+    if len(samples) < spec.calibration_samples:
+        say(f"the calibration data holds {len(samples)} samples of up to {calibration.SAMPLE_TOKENS} tokens; "
+            "using all of them")
+    return samples, calib_info
+
+
+def _write_manifest(spec: BuildSpec, tmp: Path, h: str, cfg, settings, store_dtype, files, tok, src,
+                    checksum: str, calib_info, dev) -> None:
+    """Save the tokenizer beside the weights and write the engine manifest (``MANIFEST_FILENAME``)."""
+    import torch  # noqa: PLC0415
+
     before = set(os.listdir(tmp))
     tok.save_pretrained(str(tmp))
     tok_files = sorted(set(os.listdir(tmp)) - before)
@@ -367,7 +400,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         "weights": {"dtype": str(store_dtype).replace("torch.", ""), "files": files},
         "tokenizer_files": tok_files,
         # a Hub source by its repo and commit (hf://org/name@sha), not the cache folder it was read from
-        "source": {"ref": spec.source.to_cli() if spec.source.kind == "huggingFace" else src.ref, "kind": src.kind,
+        "source": {"ref": spec.source.to_cli() if spec.source.kind in ("huggingFace", "pvc") else src.ref, "kind": src.kind,
                    "sha256": checksum},
         "calibration": calib_info,
         "builder": {"version": BUILDER_VERSION, "torch": torch.__version__.split("+")[0], "device": dev.type},

@@ -40,6 +40,9 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="builtin:<name>, a .gguf file, a Hugging Face folder (possibly pre-quantized: "
                              "compressed-tensors, GPTQ, AWQ; build it with --quantization auto), or a Hub model "
                              "hf://org/name[@revision] (or org/name) (default: %(default)s)")
+    parser.add_argument("--models-mount", default="/models",
+                        help="where the claim of a --model pvc://CLAIM/PATH source is mounted; the source is "
+                             "read from MOUNT/PATH and hashed as the claim path (default: %(default)s)")
     parser.add_argument("--download-dir", default=None,
                         help="download cache for --model hf://org/name[@revision] (default: $HF_HOME/hub); "
                              "HF_TOKEN and HF_ENDPOINT (a mirror) are read from the environment")
@@ -214,7 +217,7 @@ def run_build(args: argparse.Namespace) -> int:
 
     prepare_shared_cache(os.environ)  # the serving pods' Triton cache on the claim (operator builds only)
     try:
-        model_src = args.model
+        model_src = spec.source.mounted_path(args.models_mount) if spec.source.kind == "pvc" else args.model
         if hub_ref is not None:  # downloaded before the output is touched: a failure leaves nothing there
             folder, _ = hub.download(hub_ref, hub_opts, progress=_stderr_progress, resolved=resolved)
             model_src = str(folder)
