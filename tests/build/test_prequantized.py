@@ -202,6 +202,11 @@ CORRUPT = {
     "activation order": ("gptq", lambda p: _edit_tensors(p, lambda t: t.update({
         "model.layers.0.mlp.down_proj.g_idx": (torch.arange(256) % 2).to(torch.int32)})),
         "model.layers.0.mlp.down_proj.g_idx permutes the groups"),
+    "gptq group_size text": ("gptq", lambda p: _edit_config(p, group_size="abc"),
+                             "quantization_config.group_size = 'abc': expected a positive integer"),
+    "awq group_size 0": ("awq", lambda p: _edit_config(p, group_size=0), "quantization_config.group_size = 0"),
+    "ct group_size text": ("W4A16", lambda p: _group0(p, "weights", group_size="x"),
+                           "group_0.weights.group_size = 'x'"),
     "awq gemv": ("awq", lambda p: _edit_config(p, version="gemv"), "quantization_config.version = 'gemv'"),
     "missing weight_scale": ("FP8_DYNAMIC", lambda p: _edit_tensors(
         p, lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale")), "model.layers.0.mlp.down_proj.weight_scale"),

@@ -98,6 +98,23 @@ def _bad(where: str, value: Any, why: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{where} = {value!r}: {why}")
 
 
+def _group_size(value: Any, where: str, allow_row: bool = False) -> int:
+    """A checkpoint's group size as an int (``-1``: one group per row, where ``allow_row``).
+
+    Raises:
+        CheckpointFormatError: naming ``where``, for a value that is not a positive integer.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _bad(where, value, "expected a positive integer")
+    try:
+        gs = int(value)
+    except ValueError:
+        raise _bad(where, value, "expected a positive integer") from None
+    if gs <= 0 and not (allow_row and gs == -1):
+        raise _bad(where, value, "expected a positive integer" + (" or -1 (one group per row)" if allow_row else ""))
+    return gs
+
+
 def _detect_compressed_tensors(qc: dict) -> CheckpointQuant:
     w0 = "quantization_config"
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
@@ -149,7 +166,7 @@ def _detect_compressed_tensors(qc: dict) -> CheckpointQuant:
         if a:
             raise _bad(f"{where}.input_activations", "set", "pack-quantized with activation quantization is not supported")
         if strategy == "group":
-            gs = int(_field(w, "group_size", f"{where}.weights"))
+            gs = _group_size(_field(w, "group_size", f"{where}.weights"), f"{where}.weights.group_size")
         elif strategy == "channel":
             gs = 0
         else:
@@ -179,7 +196,7 @@ def _detect_gptq(qc: dict) -> CheckpointQuant:
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _bad(f"{w0}.checkpoint_format", fmt, "supported: gptq, gptq_v2")
-    gs = int(qc.get("group_size", 128))
+    gs = _group_size(qc.get("group_size", 128), f"{w0}.group_size", allow_row=True)
     sym = bool(qc.get("sym", True))
     record = {"quant_method": "gptq", "scheme": "W4A16" + ("" if sym else " asym"), "bits": 4, "group_size": gs,
               "sym": sym, "desc_act": False, "checkpoint_format": fmt}
@@ -198,7 +215,7 @@ def _detect_awq(qc: dict) -> CheckpointQuant:
         raise _bad(f"{w0}.version", qc.get("version"), "supported: gemm")
     if not qc.get("zero_point", True):
         raise _bad(f"{w0}.zero_point", False, "AutoAWQ GEMM checkpoints have zero points")
-    gs = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    gs = _group_size(qc.get("group_size", qc.get("q_group_size", 128)), f"{w0}.group_size")
     record = {"quant_method": "awq", "scheme": "W4A16", "bits": 4, "group_size": gs, "version": "gemm",
               "zero_point": True}
     return CheckpointQuant("int4", gs, ("qweight", "qzeros", "scales"),
