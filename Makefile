@@ -25,7 +25,7 @@ demo-runtime: setup
 	$(VPY) -m kiln.runtime.demo
 
 test: setup
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --durations=25
 
 test-fast: setup
 	$(VPY) -m pytest -q -m "not slow and not cluster and not e2e"

@@ -39,11 +39,11 @@ def main(method: str, profile: bool = False) -> dict:
             rec["wait"].append(time.perf_counter() - t)
         return r
 
-    def execute_async(self, out, rows):
+    def execute_async(self, out, rows, *args, **kwargs):
         e0 = torch.cuda.Event(enable_timing=True)
         e0.record()
         t = time.perf_counter()
-        r = o_ex(self, out, rows)
+        r = o_ex(self, out, rows, *args, **kwargs)
         if on[0]:
             rec["exec"].append(time.perf_counter() - t)
         e1 = torch.cuda.Event(enable_timing=True)

@@ -3,9 +3,13 @@
 
 Usage (repository root, on the GPU machine)::
 
-    python3 benchmarks/lora_bench.py [--num-prompts 1000 --input-len 1000 --output-len 1000]
+    PYTHONPATH=common:runtime:kernels python3 benchmarks/lora_bench.py
+        [--num-prompts 1000 --input-len 1000 --output-len 1000] [--model builtin:llama-3.1-8b]
         [--num-adapters 4 --rank 16 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]
         [--modes base,lora] [--json out.json]
+
+On the CPU (a check that it runs; numbers mean nothing): ``--model FOLDER`` with a small
+``config.json`` and ``--num-prompts 4 --input-len 16 --output-len 8``.
 
 Each mode runs in its own process (one engine per GPU at a time): ``base`` (no LoRA),
 ``lora`` (``enable_lora``, ``max_loras`` = adapters, request i uses adapter i mod N) and
@@ -24,13 +28,19 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {  # Llama-3.1-8B: hf module -> (in, out)
-    "q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
-    "gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_proj": (14336, 4096),
-}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapter(folder: Path, rank: int, targets: list[str], seed: int, num_layers: int = 32) -> None:
+def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int]:
+    """``(hf module -> (in, out), layers)`` of ``model`` (its config, no weights read)."""
+    from kiln.runtime import loader
+    from kiln.runtime.lora.peft_format import module_shapes
+
+    cfg = loader.load_model_config(loader.resolve_source(model))
+    return module_shapes(cfg), cfg.num_hidden_layers
+
+
+def write_adapter(folder: Path, rank: int, targets: list[str], seed: int, shapes: dict, num_layers: int) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -38,7 +48,7 @@ def write_adapter(folder: Path, rank: int, targets: list[str], seed: int, num_la
     tensors = {}
     for i in range(num_layers):
         for m in targets:
-            fin, fout = SHAPES[m]
+            fin, fout = shapes[m]
             part = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             pre = f"base_model.model.model.layers.{i}.{part}.{m}"
             tensors[f"{pre}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) / fin**0.5).to(torch.bfloat16)
@@ -47,7 +57,7 @@ def write_adapter(folder: Path, rank: int, targets: list[str], seed: int, num_la
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "bias": "none",
-        "base_model_name_or_path": "meta-llama/Llama-3.1-8B"}))
+        "base_model_name_or_path": "random"}))
 
 
 def run_mode(ns: argparse.Namespace) -> dict:
@@ -55,35 +65,41 @@ def run_mode(ns: argparse.Namespace) -> dict:
 
     from kiln.runtime import LLM, LoRARequest, SamplingParams
 
+    t_start = time.perf_counter()
     lora = ns.mode in ("lora", "lora-idle")
     adapters = {}
     if lora:
         root = Path(tempfile.mkdtemp(prefix="kiln-lora-bench-"))
         targets = ns.targets.split(",")
+        shapes, num_layers = model_shapes(ns.model)
         for k in range(ns.num_adapters):
-            write_adapter(root / f"a{k}", ns.rank, targets, seed=k)
+            write_adapter(root / f"a{k}", ns.rank, targets, seed=k, shapes=shapes, num_layers=num_layers)
             adapters[f"a{k}"] = str(root / f"a{k}")
     extra = dict(lora_modules=adapters, max_loras=max(ns.num_adapters, 1), max_lora_rank=ns.rank) if lora else {}
-    llm = LLM(model="builtin:llama-3.1-8b", load_format="dummy", max_num_seqs=ns.max_num_seqs,
+    llm = LLM(model=ns.model, load_format="dummy", max_num_seqs=ns.max_num_seqs,
               max_model_len=ns.input_len + ns.output_len + 16, **extra)
+    vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 120000, (ns.input_len,), generator=g).tolist() for _ in range(ns.num_prompts)]
+    prompts = [torch.randint(100, max(101, min(120000, vocab - 1)), (ns.input_len,), generator=g).tolist()
+               for _ in range(ns.num_prompts)]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sp = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True, detokenize=False)
     names = list(adapters)
     reqs = [LoRARequest(names[i % len(names)]) if ns.mode == "lora" else None for i in range(ns.num_prompts)]
     llm.generate(prompts[:4], sp if ns.output_len <= 8 else SamplingParams(temperature=0.0, max_tokens=8,
                                                                           ignore_eos=True, detokenize=False),
                  lora_request=reqs[:4])  # warm: first-touch of every path
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, lora_request=reqs)
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"mode": ns.mode, "seconds": dt, "output_tokens_per_s": gen / dt,
             "total_tokens_per_s": (gen + ns.num_prompts * ns.input_len) / dt, "requests_per_s": ns.num_prompts / dt,
             "num_adapters": ns.num_adapters if lora else 0, "rank": ns.rank if lora else 0,
-            "gpu": torch.cuda.get_device_name()}
+            "startup_seconds": t0 - t_start,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
 
 def main(argv=None) -> None:
@@ -94,7 +110,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--targets", default=",".join(SHAPES))
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--model", default="builtin:llama-3.1-8b",
+                    help="a model whose shape is served with random weights (--load-format dummy)")
     ap.add_argument("--modes", default="base,lora", help="comma list of base, lora, lora-idle")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # one mode, in this process
     ap.add_argument("--json", default=None)
@@ -103,6 +121,7 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(run_mode(ns)), flush=True)
         return
     results = []
+    t_all = time.perf_counter()
     for mode in ns.modes.split(","):
         args = [a for a in (argv if argv is not None else sys.argv[1:])]
         p = subprocess.run([sys.executable, __file__, *args, "--mode", mode], capture_output=True, text=True)
@@ -113,13 +132,14 @@ def main(argv=None) -> None:
         results.append(json.loads(line[7:]))
         r = results[-1]
         print(f"{mode:10s} {r['output_tokens_per_s']:10.1f} out tok/s  {r['total_tokens_per_s']:10.1f} total tok/s  "
-              f"{r['seconds']:.1f} s", flush=True)
+              f"{r['seconds']:.1f} s (+{r['startup_seconds']:.1f} s start-up) on {r['gpu']}", flush=True)
     base = next((r for r in results if r["mode"] == "base"), None)
     for r in results:
         if base is not None and r is not base:
             cost = 1 - r["output_tokens_per_s"] / base["output_tokens_per_s"]
             r["throughput_cost_vs_base"] = cost
             print(f"{r['mode']}: throughput cost vs base {100 * cost:.1f}%")
+    print(f"wall {time.perf_counter() - t_all:.1f} s for {ns.modes}")
     if ns.json:
         Path(ns.json).write_text(json.dumps(results, indent=2))
 

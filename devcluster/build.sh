@@ -4,6 +4,8 @@
 #   bash devcluster/build.sh          # build what is missing, print the cache folder's bin/ path last
 #   bash devcluster/build.sh --print  # print the bin/ path only (exit 1 if anything is missing)
 #   bash devcluster/build.sh gen-kube-mod   # regenerate gomod/kube/go.mod for K8S_VERSION
+#   bash devcluster/build.sh prometheus-adapter          # build prometheus-adapter, print its path last
+#   bash devcluster/build.sh prometheus-adapter --print  # print its path only (exit 1 if missing)
 #
 # Binaries: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm,
 # plus kwok's Stage YAMLs, under ${KILN_CLUSTER_CACHE:-~/.cache/kiln/cluster}/<versions>/.
@@ -110,7 +112,26 @@ copy_stages() {
   touch "$stages/.ok"
 }
 
+# --- prometheus-adapter (the HPA end-to-end test's custom metrics server): its own cache folder,
+# so the plane's cache key and binaries stay as they are.
+adapter_main() {
+  grep -q "sigs.k8s.io/prometheus-adapter $PROMETHEUS_ADAPTER_VERSION" "$here/gomod/prometheus-adapter/go.mod" \
+    || { log "gomod/prometheus-adapter/go.mod is not at $PROMETHEUS_ADAPTER_VERSION"; exit 1; }
+  cache="${KILN_CLUSTER_CACHE:-$HOME/.cache/kiln/cluster}/prometheus-adapter-${PROMETHEUS_ADAPTER_VERSION}"
+  bin="$cache/bin"
+  if [[ -x "$bin/prometheus-adapter" ]]; then echo "$bin/prometheus-adapter"; exit 0; fi
+  [[ "${1:-}" == "--print" ]] && exit 1
+  command -v go >/dev/null || { log "go is not installed"; exit 1; }
+  mkdir -p "$bin"
+  exec 9>"$cache/.lock"
+  flock -n 9 || { log "another build.sh is building into $cache: waiting for it"; flock 9; }
+  [[ -x "$bin/prometheus-adapter" ]] || go_build prometheus-adapter "" adapter=sigs.k8s.io/prometheus-adapter/cmd/adapter
+  [[ -x "$bin/adapter" ]] && mv -f "$bin/adapter" "$bin/prometheus-adapter"
+  echo "$bin/prometheus-adapter"
+}
+
 case "${1:-}" in
+  prometheus-adapter) adapter_main "${2:-}"; exit 0 ;;
   --print) have_all && { echo "$bin"; exit 0; }; exit 1 ;;
   gen-kube-mod) gen_kube_mod; exit 0 ;;
   "") ;;

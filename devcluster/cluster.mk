@@ -4,13 +4,17 @@
 #   make cluster-up       start the "dev" plane (PLANE=name to pick another) and print export KUBECONFIG=...
 #   make cluster-down     stop it;  make cluster-status: is it healthy?
 #   make cluster-test     the tests that prove the plane is real (pytest -m cluster tests/cluster)
+#   make metrics-build    build or reuse prometheus-adapter (the HPA end-to-end test's custom metrics server)
 PLANE ?= dev
 # kiln.devcluster.plane is stdlib only: without the venv any python3 runs it from devcluster/.
 PLANE_PY := $(shell test -x $(VPY) && echo $(VPY) || echo PYTHONPATH=devcluster python3)
 
-.PHONY: cluster-build cluster-up cluster-down cluster-status cluster-env cluster-test
+.PHONY: metrics-build cluster-build cluster-up cluster-down cluster-status cluster-env cluster-test
 cluster-build:
 	bash devcluster/build.sh
+
+metrics-build:
+	bash devcluster/build.sh prometheus-adapter
 
 cluster-up: cluster-build
 	$(PLANE_PY) -m kiln.devcluster.plane up --name $(PLANE)

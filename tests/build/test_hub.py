@@ -19,15 +19,21 @@ from kiln.runtime.demo import free_port, wait_ready
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TINY = "kiln-test/tiny-llama"
 GATED = "kiln-test/gated"
+GPT2 = "kiln-test/gpt2-like"
 TOKEN = "hf_kilntesttoken"
 
 
 @pytest.fixture(scope="module")
-def hub(smollm_hf, tiny_model):
+def hub(smollm_hf, tiny_model, tmp_path_factory):
+    gpt2 = tmp_path_factory.mktemp("gpt2-like")  # an architecture Kiln does not run, with 4 MB of "weights"
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                                                  "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 256}))
+    (gpt2 / "model.safetensors").write_bytes(b"\0" * (4 << 20))
     with HubServer() as s:
         s.add(REPO, Path(smollm_hf.path))
         s.add(TINY, tiny_model, refs=("main", "v1"))
         s.add(GATED, tiny_model, token=TOKEN)
+        s.add(GPT2, gpt2)
         yield s
 
 
@@ -98,6 +104,7 @@ def test_a_dropped_download_resumes(hub, tmp_path, monkeypatch):
     (f"hf://{GATED}", {"HF_TOKEN": "hf_wrong"}, "Unauthorized"),
     (f"hf://{GATED}", {"HF_TOKEN": TOKEN, "drop": "1"}, "DownloadFailed"),
     (f"hf://{TINY}", {"HF_ENDPOINT": "closed"}, "DownloadFailed"),
+    (f"hf://{GPT2}", {}, "UnsupportedModel"),
 ])
 def test_build_errors_are_one_line_exit_2_and_write_nothing(hub, tmp_path, model, env_extra, reason):
     env_extra = dict(env_extra)
@@ -119,6 +126,9 @@ def test_build_errors_are_one_line_exit_2_and_write_nothing(hub, tmp_path, model
     assert len(errors) == 1 and errors[0].startswith(f"kiln build: error: {reason}: "), r.stderr
     assert term.read_text().startswith(f"kiln build: {reason}: ")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["termination-log"]  # no engine
+    assert "HTTP Request" not in r.stderr  # the Hub client's per-request log lines stay at debug level
+    if reason == "UnsupportedModel":  # refused from config.json, before the weights are fetched
+        assert "GPT2LMHeadModel" in errors[0] and hub.gets.get((GPT2, "model.safetensors"), 0) == 0
     if reason == "Unauthorized":
         assert TOKEN not in r.stderr
 

@@ -120,3 +120,27 @@ def test_images_copy_the_product_folders_and_setup_py():
         copies = re.findall(r"^COPY (.+)$", (ROOT / "images" / image / "Dockerfile").read_text(), flags=re.M)
         sources = {word.rstrip("/") for line in copies for word in line.split()[:-1]}
         assert {"setup.py", "pyproject.toml", *PRODUCT_FOLDERS} <= sources, image
+
+
+def test_build_progress_lines_round_trip_and_other_lines_are_not_progress():
+    from kiln.common.progress import STAGES, BuildProgress, ProgressReporter, format_line, last_progress, parse_line
+
+    p = BuildProgress("quantize", 3725, 12, 30, "calibrate+quantize: layer 12/30")
+    line = format_line(p)
+    assert line == "kiln build: [quantize 12/30 3725s] calibrate+quantize: layer 12/30"
+    assert parse_line(line) == p and parse_line("2026-01-01T00:00:00.1Z " + line) == p
+    assert p.summary() == "quantize 12/30, 1h02m" and BuildProgress("load", 59).summary() == "load, 59s"
+    assert parse_line("kiln build: error: boom") is None and parse_line("kiln build: [nostage 1s] x") is None
+    assert parse_line("INFO [quantize 1/2 3s]") is None
+    clock = iter([100.0, 101.2, 104.9, 130.0])
+    lines = []
+    r = ProgressReporter(lines.append, clock=lambda: next(clock))
+    r.stage("load", "loading")
+    r.layer(1, 30)
+    r("still in quantize? no: in load")
+    assert [parse_line(x).elapsed_seconds for x in lines] == [1, 4, 30]
+    assert last_progress("\n".join(lines + ["junk"])).message == "still in quantize? no: in load"
+    assert last_progress("nothing here") is None
+    with pytest.raises(ValueError, match="unknown build stage"):
+        r.stage("compile")
+    assert STAGES[0] == "source" and STAGES[-1] == "done"

@@ -43,27 +43,33 @@ def test_shrink_expand_match_reference(T, K, N, R, S, dtype):
     assert torch.equal(y[:, :24], base[:, :24]), "columns before the offset were changed"
 
 
-def test_expand_column_slice_of_fused_shrink():
-    """A fused QKV shrink ([T, 3R]) expanded slice by slice into one output."""
-    T, K, R, S = 9, 32, 8, 2
-    sizes = [32, 16, 16]
+@pytest.mark.parametrize("sizes", [[32, 16, 16], [40, 72], [24]])
+def test_fused_parts_expand_in_one_launch(sizes):
+    """A fused QKV (or gate|up) shrink ([T, P*R]) expanded for every part at once: part p
+    takes h's columns p*R:(p+1)*R and B's rows of that part, into its columns of y."""
+    T, K, R, S = 9, 200, 8, 2  # K over several splits of the shrink
+    P = len(sizes)
     x = torch.randn(T, K, device=DEVICE)
-    a = torch.randn(S, 3 * R, K, device=DEVICE)
-    bs = [torch.randn(S, n, R, device=DEVICE) for n in sizes]
+    a = torch.randn(S, P * R, K, device=DEVICE)
+    b = torch.randn(S, sum(sizes), R, device=DEVICE)
     slots = torch.tensor([0, 1, -1, 1, 0, 0, -1, 1, 1], dtype=torch.int32, device=DEVICE)
     ids, counts, starts = lora_segments(slots, S)
     h = lora_shrink(x, a, ids, counts, starts)
-    y = torch.zeros(T, sum(sizes), device=DEVICE)
-    y_ref = y.clone()
-    off = 0
-    for i, b in enumerate(bs):
-        lora_expand(y, h[:, i * R:(i + 1) * R], b, ids, counts, starts, offset=off)
-        for t in range(T):
-            s = int(slots[t])
-            if s >= 0:
-                y_ref[t, off:off + b.shape[1]] += x[t] @ a[s, i * R:(i + 1) * R].T @ b[s].T
-        off += b.shape[1]
+    torch.testing.assert_close(h, lora_shrink_ref(x, a, slots), rtol=1e-4, atol=1e-4)
+    base = torch.randn(T, 5 + sum(sizes), device=DEVICE)
+    y = lora_expand(base.clone(), h, b, ids, counts, starts, offset=5, part_sizes=sizes)
+    y_ref = base.clone()
+    for t in range(T):
+        s = int(slots[t])
+        if s < 0:
+            continue
+        c = 0
+        for p, n in enumerate(sizes):
+            y_ref[t, 5 + c:5 + c + n] += x[t] @ a[s, p * R:(p + 1) * R].T @ b[s, c:c + n].T
+            c += n
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lora_expand_ref(base.clone(), h, b, slots, offset=5, part_sizes=sizes), y_ref,
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_rejects_bad_arguments():
@@ -75,3 +81,6 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="outside"):
         lora_expand(torch.zeros(4, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE),
                     torch.zeros(2, 16, 8, device=DEVICE), ids, counts, starts)
+    with pytest.raises(ValueError, match="part sizes"):
+        lora_expand(torch.zeros(4, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE),
+                    torch.zeros(2, 16, 8, device=DEVICE), ids, counts, starts, part_sizes=[8, 4])

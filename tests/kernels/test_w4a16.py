@@ -289,6 +289,12 @@ def test_per_token_quant_fp8(T, K, dtype):
     assert torch.allclose(s, sr, rtol=1e-6, atol=0)
     deq, deqr = q.float() * s, qr.float() * sr
     assert rel_err(deq, deqr) < 1e-2 and rel_err(deq, x.float()) < 0.05
+    # a shard of wider rows: the rows' max given (a row-parallel rank's all-reduced max)
+    amax = x.float().abs().amax(dim=-1, keepdim=True) * 3
+    q, s = per_token_quant_fp8(x, amax)
+    qr, sr = per_token_quant_fp8_ref(x, amax)
+    assert torch.allclose(s, sr, rtol=1e-6, atol=0) and torch.allclose(s, amax / 448, rtol=1e-6, atol=0)
+    assert rel_err(q.float() * s, qr.float() * sr) < 1e-2
 
 
 @pytest.mark.gpu

@@ -20,8 +20,14 @@ class FakeKube:
         self.objects: dict[tuple, dict] = {}
         self.rv = itertools.count(1)
         self.calls: list[tuple[str, str, str]] = []  # (verb, kind, name)
+        self.logs: dict[tuple[str, str], str] = {}  # (namespace, pod) -> the container's log
+        self.served: dict[str, set[str]] = {}  # optional APIs: apiVersion -> kinds (discovery)
 
     # reads
+    def served_kinds(self, api_version):
+        self.calls.append(("discover", api_version, ""))
+        return frozenset(self.served.get(api_version, ()))
+
     def get(self, api_version, kind, namespace, name):
         self.calls.append(("get", kind, name))
         o = self.objects.get(_key(api_version, kind, namespace, name))
@@ -37,6 +43,12 @@ class FakeKube:
                 if all(labels.get(a) == b for a, b in want.items()):
                     out.append(copy.deepcopy(o))
         return out
+
+    def log(self, namespace, pod, container, tail_lines=20, limit_bytes=16384):
+        self.calls.append(("log", "Pod", pod))
+        if (namespace, pod) not in self.logs:
+            raise ApiError(400, "BadRequest", f"container {container} in pod {pod} is waiting to start")
+        return "".join(self.logs[(namespace, pod)].splitlines(keepends=True)[-tail_lines:])[-limit_bytes:]
 
     # writes
     def apply(self, obj, subresource=None, field_manager="kiln-operator", force=True):

@@ -63,7 +63,8 @@ def test_builtin_autoscaler_scales_up_then_down():
     assert not a.observe("ns/x", [pod], 1, scaling, "now")  # first scrape: no interval yet
     t[0] = 1
     assert a.observe("ns/x", [pod], 1, scaling, "now")  # mean 2 s vs 0.5 target
-    want, status = a.wish("ns/x")
+    want, status, active = a.wish("ns/x")
+    assert active == "now"  # requests were scheduled in that interval (the idle window's clock)
     assert want == 4 and status["observedQueueTimeSeconds"] == 2.0 and status["desiredReplicas"] == 4
     state["step"] = (0.0, 5.0)  # no more queueing
     t[0] = 2
@@ -73,7 +74,32 @@ def test_builtin_autoscaler_scales_up_then_down():
     a.observe("ns/x", [pod], 4, scaling, "now")
     assert a.wish("ns/x")[0] == 1
     a.forget("ns/x")
-    assert a.wish("ns/x") == (None, None)
+    assert a.wish("ns/x") == (None, None, None)
+
+
+def test_an_interval_with_none_scheduled_but_requests_waiting_is_no_reading():
+    """Long requests on few slots: a scrape interval may schedule no request while others wait.
+    That is no queue-time reading (the recommendation holds), not a queue time of 0 (which
+    would scale down a pod still starting under load); with nothing waiting it reads 0."""
+    state = {"text": metrics(10.0, 5.0)}
+    t = [0.0]
+    a = BuiltinAutoscaler(fetcher=lambda pod: state["text"], clock=lambda: t[0])
+    scaling = AutoscalingSpec(min_replicas=1, max_replicas=4, target_queue_time_seconds=0.5,
+                              scale_up_stabilization_seconds=0, scale_down_stabilization_seconds=0)
+    pod = {"metadata": {"name": "p"}}
+    a.observe("ns/x", [pod], 1, scaling, "now")
+    t[0] = 1
+    state["text"] = metrics(20.0, 10.0)  # 5 requests scheduled, 2 s mean queue time
+    a.observe("ns/x", [pod], 1, scaling, "now")
+    assert a.wish("ns/x")[0] == 4
+    t[0] = 2
+    state["text"] = metrics(20.0, 10.0) + 'kiln_num_requests_waiting{model_name="m"} 6\n'  # none scheduled, 6 waiting
+    assert not a.observe("ns/x", [pod], 4, scaling, "now")
+    assert a.wish("ns/x")[0] == 4
+    t[0] = 3
+    state["text"] = metrics(20.0, 10.0) + 'kiln_num_requests_waiting{model_name="m"} 0\n'  # idle: reads 0
+    a.observe("ns/x", [pod], 4, scaling, "now")
+    assert a.wish("ns/x")[0] == 1
 
 
 def test_unreachable_pods_are_skipped():

@@ -5,6 +5,7 @@ import copy
 import pytest
 
 from kiln.operator import builders as b
+from kiln.operator import builders_autoscaling as ba
 from kiln.operator import constants as c
 from kiln.common.enginespec import engine_hash
 
@@ -108,7 +109,7 @@ def test_service_and_endpoint():
 def test_hpa_targets_the_deployment_on_the_queue_time_pods_metric():
     spec = {**SPEC, "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 6, "targetQueueTimeSeconds": 0.25,
                                     "scaleDownStabilizationSeconds": 120}}
-    a = b.hpa(spec, OWNER)
+    a = ba.hpa(spec, OWNER)
     assert a["apiVersion"] == "autoscaling/v2"
     assert a["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smollm2"}
     m = a["spec"]["metrics"][0]
@@ -292,3 +293,85 @@ def test_build_calibration_from_a_claim_is_mounted_and_gives_the_operators_hash(
     assert "--calibration-data" not in container(job)["args"]
     assert "calibration" not in {v["name"] for v in job["spec"]["template"]["spec"]["volumes"]}
     assert engine_hash(plain) == engine_hash({"model": SPEC["model"]})
+
+
+POD = {
+    "annotations": {"sidecar.istio.io/inject": "false"},
+    "labels": {"team": "search", "cost-center": "42"},
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                           "labelSelector": {"matchLabels": {"kiln.dev/engine": "smollm2"}}}}]},
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu.product", "operator": "In", "values": ["H200"]}]}]}}},
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"},
+        {"maxSkew": 2, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+         "labelSelector": {"matchLabels": {"team": "search"}}}],
+    "priorityClassName": "inference-high", "runtimeClassName": "nvidia",
+    "imagePullSecrets": [{"name": "registry-a"}, {"name": "registry-b"}],
+}
+
+
+def test_pod_overrides_reach_the_serving_pods():
+    spec = {**SPEC, "pod": POD, "resources": {**SPEC["resources"], "requests": {"cpu": "4", "memory": "16Gi"},
+                                               "limits": {"cpu": "8", "memory": "32Gi"}},
+            "runtime": {"env": [{"name": "A", "value": "1"},
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                                {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                        "envFrom": [{"configMapRef": {"name": "proxy"}}, {"secretRef": {"name": "creds"}, "prefix": "X_"}]}}
+    d = b.deployment(spec, H, OWNER, replicas=2)
+    tpl = d["spec"]["template"]
+    pod = tpl["spec"]
+    assert tpl["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
+    assert tpl["metadata"]["labels"]["team"] == "search" and tpl["metadata"]["labels"][c.LABEL_ENGINE_HASH] == H
+    assert d["spec"]["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
+    assert pod["affinity"] == POD["affinity"]
+    assert pod["priorityClassName"] == "inference-high" and pod["runtimeClassName"] == "nvidia"
+    assert pod["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
+    zone, host = pod["topologySpreadConstraints"]
+    assert zone["labelSelector"] == {"matchLabels": b.selector_labels(OWNER)}  # defaults to this resource's pods
+    assert host["labelSelector"] == {"matchLabels": {"team": "search"}}
+    ctr = container(d)
+    assert ctr["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+                                "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}}
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["A"] == {"name": "A", "value": "1"}
+    assert env["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert env["TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "s", "key": "k"}}
+    assert ctr["envFrom"] == spec["runtime"]["envFrom"]
+    # nothing of it without spec.pod
+    plain = b.deployment(SPEC, H, OWNER, replicas=2)["spec"]["template"]
+    assert not {"affinity", "priorityClassName", "runtimeClassName", "imagePullSecrets",
+                "topologySpreadConstraints"} & set(plain["spec"]) and "annotations" not in plain["metadata"]
+    assert "envFrom" not in container(b.deployment(SPEC, H, OWNER, replicas=2))
+
+
+def test_pod_overrides_that_apply_to_a_build_reach_the_build_pod():
+    spec = {**SPEC, "pod": POD, "build": {**SPEC["build"], "resources": {"requests": {"cpu": "2", "memory": "8Gi"},
+                                                                         "limits": {"memory": "12Gi"}}},
+            "runtime": {"env": [{"name": "A", "value": "1"}]}}
+    job = b.build_job(spec, H, OWNER)
+    tpl = job["spec"]["template"]
+    assert tpl["metadata"]["annotations"] == POD["annotations"] and tpl["metadata"]["labels"]["team"] == "search"
+    assert tpl["metadata"]["labels"][c.LABEL_ENGINE_HASH] == H
+    pod = tpl["spec"]
+    assert pod["affinity"] == POD["affinity"] and pod["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
+    assert pod["priorityClassName"] == "inference-high" and pod["runtimeClassName"] == "nvidia"
+    assert "topologySpreadConstraints" not in pod  # one pod: nothing to spread
+    ctr = container(job)
+    assert not any(e["name"] == "A" for e in ctr["env"])  # the serving container's environment only
+    assert ctr["resources"]["requests"]["cpu"] == "2" and ctr["resources"]["limits"] == {"memory": "12Gi", "nvidia.com/gpu": "1"}
+
+
+@pytest.mark.parametrize("pod, runtime, message", [
+    ({"labels": {c.LABEL_ENGINE: "other"}}, {}, "pod.labels: kiln.dev/engine is set by Kiln"),
+    ({"imagePullSecrets": [{}]}, {}, "pod.imagePullSecrets[0]: expected an object with a name"),
+    ({"annotations": {"a": 1}}, {}, "pod.annotations.a: expected a string"),
+    ({}, {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}, "not both"),
+    ({}, {"envFrom": [{"prefix": "X"}]}, "runtime.envFrom[0]: expected a configMapRef or a secretRef"),
+])
+def test_pod_overrides_the_crd_cannot_check_are_refused_by_the_parser(pod, runtime, message):
+    from kiln.operator.spec import EngineSpecError, parse_spec
+
+    with pytest.raises(EngineSpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_spec({**SPEC, "pod": pod, "runtime": runtime})

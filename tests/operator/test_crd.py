@@ -177,3 +177,31 @@ def test_max_replicas_defaults_to_at_least_min_replicas():
     assert parse_spec(obj["spec"]).autoscaling.max_replicas == 6
     obj, _ = admit(_ie({"autoscaling": {"mode": "builtin"}}))
     assert parse_spec(obj["spec"]).autoscaling.max_replicas == 4
+
+
+def test_pod_overrides_are_validated_by_the_crd():
+    from test_builders import POD
+
+    base = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"}}
+    ok = {"model": {"builtin": "smollm2-135m-instruct"}, "pod": POD,
+          "runtime": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                      "envFrom": [{"configMapRef": {"name": "c"}}]}}
+    assert admit({**base, "spec": ok})[1] == []
+    for pod, runtime, message in [
+        ({"labels": {"kiln.dev/engine-hash": "x"}}, {}, "are set by Kiln"),
+        ({"labels": {"bad key": "x"}}, {}, "every key must be a label key"),
+        ({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "k"}]}, {}, "whenUnsatisfiable"),
+        ({"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "k", "whenUnsatisfiable": "ScheduleAnyway"}]},
+         {}, "maxSkew"),
+        ({"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}}]}}},
+         {}, "topologyKey"),
+        ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "a", "operator": "Near"}]}]}}}}, {}, "Near"),
+        ({"runtimeClassName": "Not_A_Name"}, {}, "runtimeClassName"),
+        ({"imagePullSecrets": [{"name": ""}]}, {}, "imagePullSecrets"),
+        ({}, {"env": [{"name": "T", "value": "v", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}, "not both"),
+        ({}, {"env": [{"name": "T", "valueFrom": {}}]}, "valueFrom"),
+        ({}, {"envFrom": [{"configMapRef": {"name": "c"}, "secretRef": {"name": "s"}}]}, "exactly one of configMapRef"),
+    ]:
+        errors = admit({**base, "spec": {**ok, "pod": pod, "runtime": runtime}})[1]
+        assert any(message in e for e in errors), (pod, runtime, errors)

@@ -222,6 +222,9 @@ def test_operator_image_replay(tmp_path):
     assert "--health-port" in out
     img.ok(str(img.python), "-c",
            "import kiln.operator, kiln.operator.main, kiln.common, sys; assert 'torch' not in sys.modules, 'torch imported'")
+    assert "--hold-timeout-seconds" in img.ok(str(img.bin / "kiln"), "router", "--help")  # the chart's router command
+    img.ok(str(img.python), "-c",
+           "import kiln.operator.router.app, sys; assert 'torch' not in sys.modules, 'torch imported'")
     img.ok(str(img.bin / "kiln"), "--help")
 
 
@@ -243,7 +246,7 @@ def test_runtime_image_replay(tmp_path):
 
 def test_build_steps_parse_both_dockerfiles():
     """The COPY sets and pip specs the replays rely on are parsed from both Dockerfiles."""
-    for name, spec in (("operator", "kiln[operator]"), ("runtime", ".[runtime,kernels]")):
+    for name, spec in (("operator", "kiln[operator,router]"), ("runtime", ".[runtime,kernels]")):
         workdir, copies, specs = build_steps(ROOT / "images" / name / "Dockerfile")
         assert workdir == "/src"
         assert ["setup.py", "pyproject.toml", "README.md*"] in [s for s, _ in copies]

@@ -75,7 +75,8 @@ def test_operator_image_is_torch_free(operator_df):
     text = " ".join(a for _, a in operator_df)
     assert "torch" not in text.replace("'torch' not in sys.modules", "")
     installs = [a for w, a in operator_df if w == "RUN" and "pip" in a]
-    assert any("[operator]" in a for a in installs)
+    assert any("[operator,router]" in a for a in installs)  # `kiln router` runs from this image too
+    assert any("kiln.operator.router.app" in a for a in installs)  # and is checked torch-free
     assert not any(re.search(r"\[(runtime|kernels)", a) for a in installs)
 
 
@@ -98,9 +99,11 @@ def test_operator_cli_accepts_the_image_and_chart_flags(operator_df):
     assert opts.namespaces == [] and opts.health_port == 8080
     dep = (ROOT / "helm/kiln/templates/deployment.yaml").read_text()
     flags = re.findall(r"- (--[a-z-]+)", dep)
-    rendered = [f + ("=1" if f in ("--workers", "--resync-seconds", "--autoscale-seconds", "--health-port") else
+    rendered = [f + ("=1" if f in ("--workers", "--resync-seconds", "--autoscale-seconds", "--health-port",
+                                   "--engine-gc-seconds", "--engine-retention-seconds", "--engine-cache-min-free") else
                      "=x" if f in ("--runtime-image", "--lease-name", "--namespace") else
-                     "=INFO" if f == "--log-level" else "") for f in flags]
+                     "=INFO" if f == "--log-level" else
+                     "=ClusterRole/kiln-endpoint-picker" if f == "--endpoint-picker-role" else "") for f in flags]
     parse_args(rendered)  # every flag the chart passes exists
 
 

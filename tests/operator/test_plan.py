@@ -9,6 +9,7 @@ import copy
 import pytest
 
 from kiln.operator import builders as b
+from kiln.operator import builders_autoscaling as ba
 from kiln.operator import constants as c
 from kiln.operator.plan import ChildRef, Observed, ScalerWish, plan
 from kiln.operator.spec import InvalidSpec, parse_spec
@@ -88,6 +89,21 @@ def test_running_build_creates_nothing_new():
     assert kinds(p) == ["Service"]
     assert p.status["build"]["state"] == "Running" and p.status["build"]["startTime"] == "2026-01-01T00:00:00Z"
     assert cond(p, "EngineBuilt")["message"] == f"build Job {b.job_name(CLAIM, H)} is running"
+
+
+def test_running_build_shows_the_progress_of_its_log():
+    """The build pod's last progress line goes into status.build (and its printer column)."""
+    from kiln.common.progress import BuildProgress
+
+    prog = BuildProgress("quantize", 75, 12, 30, "calibrate+quantize: layer 12/30")
+    p = plan(SPEC, observed(jobs=(job(H),), build_progress=prog), NOW)
+    st = p.status["build"]
+    assert (st["stage"], st["layer"], st["numLayers"], st["elapsedSeconds"]) == ("quantize", 12, 30, 75)
+    assert st["progress"] == "quantize 12/30, 1m15s"
+    assert st["message"].endswith(": calibrate+quantize: layer 12/30")
+    # a finished build reports no stale stage
+    done = plan(SPEC, observed(jobs=(job(H, "succeeded"),), build_progress=prog), NOW)
+    assert "stage" not in done.status["build"] and done.status["build"]["state"] == "Succeeded"
 
 
 def test_succeeded_build_is_recorded_and_deployed():
@@ -224,7 +240,7 @@ def test_one_owner_of_replicas(autoscaling, wish, current, want):
     assert manifest["spec"].get("replicas") == want
     hpa_ref = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", "team-a", "smollm2")
     if autoscaling["mode"] == "hpa":
-        assert p.manifest("HorizontalPodAutoscaler") == b.hpa(s, OWNER) and hpa_ref not in p.delete
+        assert p.manifest("HorizontalPodAutoscaler") == ba.hpa(s, OWNER) and hpa_ref not in p.delete
         assert p.replicas == current  # the HPA's choice stays
     else:
         assert p.manifest("HorizontalPodAutoscaler") is None and hpa_ref in p.delete
@@ -248,3 +264,41 @@ def test_default_image_is_the_operators_unless_the_spec_names_one():
     assert p.manifest("Job")["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/kiln:dev"
     p = plan(spec(image="mine:1"), observed(), NOW, default_image="registry.local/kiln:dev")
     assert p.manifest("Job")["spec"]["template"]["spec"]["containers"][0]["image"] == "mine:1"
+
+
+def test_recorded_engine_shows_its_size_and_a_cleanup_holds_builds_back():
+    from kiln.common.enginecache import format_build_report
+
+    pod = {"metadata": {"name": "p"}, "status": {"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 0, "finishedAt": "2026-01-01T01:00:00Z", "message": format_build_report(H, 123456)}}}]}}
+    p = plan(SPEC, observed(jobs=(job(H, "succeeded"),), build_pods=(pod,)), NOW)
+    assert p.manifest("ConfigMap")["data"]["sizeBytes"] == "123456"
+    assert p.status["engine"] == {"hash": H, "sizeBytes": 123456}
+    cached = plan(SPEC, observed(record=p.manifest("ConfigMap")), NOW)
+    assert cached.status["engine"] == {"hash": H, "sizeBytes": 123456}
+    held = plan(SPEC, observed(cleanup_active=True), NOW)
+    assert "Job" not in kinds(held) and "cleanup" in held.status["build"]["message"]
+
+
+def test_a_failed_accuracy_gate_is_degraded_with_its_numbers_and_the_old_engine_serves():
+    old = "0" * 16
+    gate = spec(build={"quantization": "int4-awq", "accuracyGate": {"maxPerplexityIncrease": 0.02}})
+    h = gate.engine_hash
+    msg = "kiln build: AccuracyGateFailed: the engine failed its accuracy gate: perplexity 5.100 -> 5.600 (+9.80%) is above the maximum increase of 2.00%"
+    pod = {"metadata": {"name": "p"}, "status": {"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 3, "finishedAt": "2026-01-01T01:00:00Z", "message": msg}}}]}}
+    p = plan(gate, observed(jobs=(job(h, "failed"),), build_pods=(pod,), deployment=deployment(old, ready=2)), NOW)
+    assert reasons(p)["Degraded"] == ("True", "AccuracyGateFailed") and "+9.80%" in cond(p, "Degraded")["message"]
+    assert "Deployment" not in kinds(p) and p.serving_hash == old and "ConfigMap" not in kinds(p)
+    job_args = b.build_job(gate, h, OWNER)["spec"]["template"]["spec"]["containers"][0]["args"]
+    from kiln.runtime.build_cli import add_build_args
+    import argparse
+    a = add_build_args(argparse.ArgumentParser()).parse_args(job_args)  # the flags exist in kiln build
+    assert (a.max_perplexity_increase, a.min_greedy_agreement, a.gate_prompts) == (0.02, None, 8)
+    # a passing one: its numbers in the record and status.engine
+    from kiln.common.enginecache import format_build_report
+    acc = {"perplexityIncrease": 0.01, "greedyAgreement": 0.97}
+    ok = {"metadata": {"name": "p"}, "status": {"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 0, "message": format_build_report(h, 10, acc)}}}]}}
+    p = plan(gate, observed(jobs=(job(h, "succeeded"),), build_pods=(ok,)), NOW)
+    assert p.status["engine"]["accuracy"] == acc

@@ -94,6 +94,31 @@ def test_build_then_deploy(kube, rec):
     assert kube.objects == before
 
 
+def test_a_running_build_reports_its_log_progress_and_is_polled(kube, rec):
+    """The reconcile reads the running build pod's log tail (pods/log) and requeues itself
+    while the build runs; a pod whose log cannot be read yet reports no progress."""
+    from kiln.common.progress import BuildProgress, format_line
+
+    make_ie(kube, SPEC)
+    h = engine_hash(SPEC)
+    rec.reconcile(ie(kube))
+    job = b.job_name("kiln-engine-cache", h)
+    kube.set_status("batch/v1", "Job", NS, job, {"active": 1, "startTime": "2026-01-01T00:00:00Z"})
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": job + "-abcde", "namespace": NS,
+           "labels": b.build_labels("kiln-engine-cache", h), "creationTimestamp": "2026-01-01T00:00:01Z"}}
+    kube.apply(pod)
+    kube.set_status("v1", "Pod", NS, job + "-abcde", {"phase": "Running"})
+    out = rec.reconcile(ie(kube))  # the container has not started: no log yet
+    assert "stage" not in ie(kube)["status"]["build"] and out.requeue_after == rec.config.progress_seconds
+    kube.logs[(NS, job + "-abcde")] = "\n".join([
+        format_line(BuildProgress("load", 3, message="loading weights")), "some other line",
+        format_line(BuildProgress("quantize", 41, 7, 30, "calibrate+quantize: layer 7/30")), "tail noise"])
+    out = rec.reconcile(ie(kube))
+    st = ie(kube)["status"]["build"]
+    assert (st["state"], st["stage"], st["layer"], st["numLayers"], st["elapsedSeconds"]) == ("Running", "quantize", 7, 30, 41)
+    assert ("log", "Pod", job + "-abcde") in kube.calls and out.requeue_after == rec.config.progress_seconds
+
+
 def test_build_failure_degrades_without_a_deployment(kube, rec):
     make_ie(kube, SPEC)
     h = engine_hash(SPEC)
@@ -306,6 +331,20 @@ def test_model_len_above_the_build_limit_is_invalid(kube, rec):
     assert rec.reconcile(ie(kube)).hash is not None
 
 
+def test_tensor_parallel_size_that_does_not_split_the_heads_is_invalid(kube, rec):
+    """runtime.tensorParallelSize 2 on the builtin SmolLM2 (9 heads, 3 KV heads) would crash
+    every pod: Degraded / InvalidSpec naming the heads, before any Job or pod; 3 splits them."""
+    make_ie(kube, {**SPEC, "runtime": {"tensorParallelSize": 2}})
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_DEGRADED and out.hash is None
+    d = cond(ie(kube), "Degraded")
+    assert d["reason"] == "InvalidSpec" and "tensorParallelSize 2 does not split the model's 9 attention heads" \
+        in d["message"]
+    assert kube.list("batch/v1", "Job", NS) == [] and kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+    make_ie(kube, {**SPEC, "runtime": {"tensorParallelSize": 3}})
+    assert rec.reconcile(ie(kube)).hash is not None
+
+
 @pytest.mark.parametrize("runtime, build, word", [
     ({"maxNumSeqs": 128}, {}, "runtime.maxNumSeqs 128 is larger than build.maxBatchSize 64"),
     ({"maxNumBatchedTokens": 16384}, {"maxNumTokens": 4096}, "runtime.maxNumBatchedTokens 16384 is larger than "
@@ -352,3 +391,25 @@ def test_a_serving_spec_edit_reports_the_rollout_at_once(kube, rec):
     assert kube.get("apps/v1", "Deployment", NS, "smollm2")["metadata"]["generation"] == 2
     assert cond(ie(kube), "Progressing")["reason"] == "RollingOut"
     assert cond(ie(kube), "Available")["status"] == "True"  # the old pods keep serving
+
+
+def test_gateway_children_follow_discovery_and_the_picker_is_not_the_serving_deployment(kube, rec):
+    spec = {**SPEC, "gateway": {"httpRoute": {"parentRefs": [{"name": "gw"}]}, "inferencePool": {"enabled": True}}}
+    make_ie(kube, spec)
+    rec.reconcile(ie(kube))
+    assert cond(ie(kube), "Exposed")["reason"] == "GatewayAPINotInstalled"
+    # the CRDs appear: found at the next reconcile (a missing kind is asked again)
+    kube.served = {"gateway.networking.k8s.io/v1": {"HTTPRoute"}, "inference.networking.k8s.io/v1": {"InferencePool"}}
+    out = rec.reconcile(ie(kube))
+    assert out.phase == c.PHASE_BUILDING  # the picker's Deployment is not taken for the engine's
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2-epp") is not None
+    assert kube.get("gateway.networking.k8s.io/v1", "HTTPRoute", NS, "smollm2") is not None
+    assert cond(ie(kube), "Exposed")["status"] == "True"
+    finish_job(kube, b.job_name("kiln-engine-cache", engine_hash(spec)))
+    out = rec.reconcile(ie(kube))
+    assert out.serving_hash == engine_hash(spec) and kube.get("apps/v1", "Deployment", NS, "smollm2") is not None
+    # a kind found is trusted for served_ttl: no discovery call per reconcile
+    before = sum(1 for x in kube.calls if x[0] == "discover")
+    rec.reconcile(ie(kube))
+    assert sum(1 for x in kube.calls if x[0] == "discover") == before

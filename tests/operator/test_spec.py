@@ -38,14 +38,25 @@ def test_defaults_are_the_crds():
     from the cluster and a plain dict without the defaults plan the same children."""
     parsed = parse_spec(MINIMAL)
     with_secret = parse_spec({"model": {"huggingFace": {"repo": "org/name", "secretRef": {"name": "hf"}}}})
+    with_pool = parse_spec({**MINIMAL, "gateway": {"inferencePool": {"enabled": True}}})
     checked = 0
     for path, default in crd_defaults().items():
         if path[0] == "build" and path[1] in BUILD_DEFAULTS:
             continue  # the engine spec's (tests/operator/test_crd.py)
         if path == ("model", "huggingFace", "secretRef", "key"):
             got = with_secret.model.hf_token.key
+        elif path == ("runtime", "speculative", "draftModel", "huggingFace", "secretRef", "key"):
+            got = parse_spec({**MINIMAL, "runtime": {"speculative": {"method": "draft", "draftModel": {
+                "huggingFace": {"repo": "org/small", "secretRef": {"name": "hf"}}}}}}
+                             ).runtime.speculative.draft_model.hf_token.key
         elif path[0] == "resources" and path[1] in ("requests", "limits"):
             got = getattr(parsed.resources.compute, path[1])
+        elif path[:2] == ("autoscaling", "keda"):
+            got = getattr(parsed.autoscaling.keda, snake(path[2]))
+        elif path[0] == "gateway":  # defaults inside an asked-for section
+            if path[-1] == "enabled":
+                continue  # presence: httpRoute is on when given, inferencePool when enabled
+            got = getattr(with_pool.gateway.inference_pool.endpoint_picker, snake(path[-1]))
         elif len(path) == 1:
             got = getattr(parsed, snake(path[0]))
         else:

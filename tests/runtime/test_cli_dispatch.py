@@ -40,7 +40,8 @@ def run_blocked(blocked: str, *argv: str) -> subprocess.CompletedProcess:
 
 def test_table_names_each_subcommand_once_and_the_parser_has_them_all():
     names = [c.name for c in SUBCOMMANDS]
-    assert sorted(names) == sorted(set(names)) == ["bench", "build", "eval", "operator", "serve"]
+    assert sorted(names) == sorted(set(names)) == ["adapter", "bench", "build", "engines", "eval", "head", "operator",
+                                                   "router", "serve"]
     choices = next(a for a in build_parser()._actions if a.dest == "command").choices
     assert list(choices) == names
 

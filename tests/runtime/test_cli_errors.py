@@ -120,6 +120,29 @@ def test_serve_bad_name_or_shutdown_timeout_refused_before_loading(monkeypatch, 
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,msg", [
+    (["--tensor-parallel-size", "2", "--speculative-method", "ngram"],
+     "speculative decoding is not served with tensor_parallel_size > 1"),
+    (["--speculative-method", "draft"], "speculative method draft needs speculative_model"),
+    (["--speculative-method", "eagle"], "speculative method eagle needs speculative_model"),
+    (["--speculative-method", "ngram", "--speculative-model", "builtin:smollm2-135m-instruct"],
+     "speculative method ngram uses no model"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "num_speculative_tokens must be"),
+])
+def test_serve_unsupported_speculation_is_one_line_and_exit_2_before_loading(monkeypatch, capsys, args, msg):
+    """What the operator refuses as InvalidSpec (kiln.operator.speculative), kiln serve refuses
+    too, at once: a pod given such flags ends in one line, not a traceback after the load."""
+    from kiln.runtime import engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine, "LLMEngine", no_load)
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1, err
+
+
 def test_serve_kv_cache_too_large_for_memory_is_a_clear_error(capsys):
     """A pool that cannot be allocated (here ~70 TB) is a one-line error naming the flag, not a
     traceback from the allocator."""

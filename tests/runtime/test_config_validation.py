@@ -91,6 +91,13 @@ def test_loader_names_the_file_that_is_not_utf8(tmp_path):
         loader.load_hf_config_dict(loader.resolve_source(tmp_path))
 
 
+def test_a_shape_only_builtin_asks_for_dummy_weights():
+    from kiln.runtime import loader
+
+    with pytest.raises(loader.ModelSourceError, match="builtin:llama-3.2-1b .*--load-format dummy"):
+        next(loader.iter_weights(loader.resolve_source("builtin:llama-3.2-1b")))
+
+
 def test_loader_refuses_a_config_that_is_not_an_object(tmp_path):
     from kiln.runtime import loader
 

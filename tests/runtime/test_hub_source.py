@@ -1,6 +1,7 @@
 """The Hub source's reference parsing and its no-network error (a closed loopback port as
 HF_ENDPOINT, reached by the real huggingface_hub client): one line, exit 2, nothing written."""
 
+import json
 import os
 import socket
 import subprocess
@@ -51,7 +52,11 @@ def _small_model_folder(tmp_path):
     """A model folder of small files (the client treats them as any other file)."""
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    # a config Kiln can run: the download checks config.json before it fetches the weights
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "hidden_act": "silu"}))
     (d / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     (d / "README.md").write_text("not downloaded")
     return d

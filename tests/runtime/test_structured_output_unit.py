@@ -4,6 +4,8 @@ the 400 messages of bad specs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import xgrammar as xgr
@@ -68,3 +70,123 @@ def test_params_refuse_two_constraints_and_min_tokens():
         SO(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"anyOf": []}, "invalid JSON schema: at $.anyOf: [] should be non-empty"),
+    ({"allOf": []}, "invalid JSON schema: at $.allOf: [] should be non-empty"),
+    ({"type": "array", "minItems": -1}, "at $.minItems: -1 is less than the minimum of 0"),
+])
+def test_schemas_breaking_the_meta_schema_are_400s(schema, needle):
+    with pytest.raises(InvalidRequestError) as e:
+        check_structured_outputs(SO(json=schema))
+    assert needle in str(e.value)
+
+
+def test_structural_tag_response_format_both_forms():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    fn = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": fn, "end": "</f>"}],
+              "triggers": ["<f>"]}
+    modern = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+        {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": fn}, "end": "</f>"}]}}
+    specs = [ChatCompletionRequest(**base, response_format=rf).to_sampling_params().structured_outputs.spec()
+             for rf in (legacy, modern)]
+    assert specs[0] == specs[1] and specs[0].kind == "structural_tag"
+    for s in specs:
+        check_structured_outputs(SO(structural_tag=s.text))
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from kiln.runtime.structured_output.spec import build_grammar
+
+    g = build_grammar(specs[0])
+    assert _is_grammar_accept_string(g, 'free text <f>{"a": 1}</f> more')
+    assert not _is_grammar_accept_string(g, 'free text <f>{"a": "x"}</f>')
+    via_so = ChatCompletionRequest(**base, structured_outputs={"structural_tag": {
+        "structures": legacy["structures"], "triggers": ["<f>"]}}).to_sampling_params().structured_outputs.spec()
+    assert via_so == specs[0]
+    with pytest.raises(ValueError, match='needs "format"'):
+        ChatCompletionRequest(**base, response_format={"type": "structural_tag"}).to_sampling_params()
+    with pytest.raises(ValueError, match=r'structures\[0\] needs "begin", "schema" and "end"'):
+        ChatCompletionRequest(**base, response_format={**legacy, "structures": [{"begin": "<f>"}]}).structured()
+
+
+def test_structured_outputs_unknown_field_is_named():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], structured_outputs={"foo": 1})
+    with pytest.raises(ValueError) as e:
+        req.to_sampling_params()
+    assert str(e.value).startswith("structured_outputs: unknown field 'foo' (the fields are json, json_object, regex")
+    with pytest.raises(ValueError, match="structured_outputs: structured output needs exactly one"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], structured_outputs={}).structured()
+
+
+@pytest.mark.parametrize("constraint", [{"guided_regex": "[a-z]+"}, {"guided_choice": ["a", "b"]},
+                                        {"response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("choice", [None, "auto", "required"])
+def test_tools_with_another_constraint_are_400s(constraint, choice):
+    from kiln.runtime.server.tool_calling import plan_tools
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice,
+                                **constraint)
+    with pytest.raises(InvalidRequestError, match="tools cannot be combined with response_format"):
+        plan_tools(req, "hermes")
+    none = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="none",
+                                 **constraint)
+    assert plan_tools(none, "hermes") is None and none.structured() is not None
+
+
+def test_compile_timeout_refuses_and_others_still_compile():
+    from kiln.runtime.structured_output.manager import StructuredOutputManager
+    from kiln.runtime.structured_output.spec import GrammarSpec
+    from kiln.runtime.synthetic_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(4096, 1, [2])
+    so = StructuredOutputManager(lambda: tok, 4096, [2], compile_timeout=0.1)
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}  # ~1 s
+    so.submit("slow", GrammarSpec("json", json.dumps(slow)))
+    so.submit("fast", GrammarSpec("regex", "[a-z]{1,3}"))
+    ready, failed = [], []
+    while len(ready) + len(failed) < 2:
+        so.wait_any(0.05)
+        r, f = so.poll()
+        ready += r
+        failed += f
+    assert [rid for rid, _ in ready] == ["fast"] and ready[0][1] >= 0 and so.has_grammar("fast")
+    assert failed == [("slow", "the grammar did not compile within 0.1 s (--grammar-compile-timeout): simplify "
+                               "the schema, regex or grammar")]
+    assert not so.has_grammar("slow") and so.num_pending == 0
+    so.shutdown()
+
+
+def test_a_grammar_waiting_for_a_busy_compile_thread_fails_at_the_timeout():
+    import threading
+    import time
+
+    from kiln.runtime.structured_output import backend
+    from kiln.runtime.structured_output.manager import StructuredOutputManager
+    from kiln.runtime.structured_output.spec import GrammarSpec
+    from kiln.runtime.synthetic_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(4096, 1, [2])
+    so = StructuredOutputManager(lambda: tok, 4096, [2], compile_timeout=0.2)
+    so.submit("first", GrammarSpec("regex", "[a-z]{1,3}"))  # sets the tokenizer up
+    while not so.poll()[0]:
+        so.wait_any(0.05)
+    release = threading.Event()
+    busy = [so._compiler._pool.submit(release.wait) for _ in range(backend.COMPILE_THREADS)]  # every thread taken
+    try:
+        so.submit("queued", GrammarSpec("regex", "[0-9]{2}"))
+        time.sleep(0.3)  # past the timeout; the queued compile cannot have started
+        ready, failed = so.poll()
+        assert ready == [] and [rid for rid, _ in failed] == ["queued"] and "for a compile thread" in failed[0][1]
+        assert so.num_pending == 0 and not so.has_grammar("queued")
+    finally:
+        release.set()
+    for f in busy:
+        f.result()
+    so.submit("after", GrammarSpec("regex", "[0-9]{2}"))  # the threads are free again: compiles
+    while not (r := so.poll()[0]):
+        so.wait_any(0.05)
+    assert [rid for rid, _ in r] == ["after"]
+    so.shutdown()

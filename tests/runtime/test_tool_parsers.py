@@ -10,7 +10,7 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from kiln.runtime.structured_output.spec import GrammarSpec, build_grammar
-from kiln.runtime.structured_output.tool_parsers import PARSERS, ToolCallStream, get_parser
+from kiln.runtime.structured_output.tool_parsers import PARSERS, ToolCallStream, get_parser, repeat_cut
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}
@@ -58,6 +58,43 @@ def test_hermes_unfinished_call_keeps_the_complete_ones():
     got = p.parse(text, final=True)
     assert [c.name for c in got.calls] == ["get_weather"] and got.content.strip().startswith("<tool_call>")
     assert p.parse('<tool_call>\n{"name": oops}\n</tool_call>', final=True).calls == []
+
+
+def _partial(p, calls) -> str:
+    """The calls rendered in ``p``'s format, then a third call cut in its arguments."""
+    whole = p.render_calls([*calls, {"function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}])
+    return whole[: whole.index('"Lyon"') + 3]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.parametrize("num_complete", [0, 2])
+def test_call_cut_by_max_tokens_is_not_content(name, num_complete):
+    p = get_parser(name)
+    prefix = "" if name == "llama3_json" else "Let me check. "
+    text = prefix + _partial(p, CALLS[:num_complete])
+    got = p.parse(text, final=True, cut=True)
+    assert [c.name for c in got.calls] == ["get_weather", "get_time"][:num_complete]
+    assert got.content.strip() == prefix.strip() and not got.ok
+    st = ToolCallStream(p)  # streamed: the held-back call text is not flushed at the end either
+    content = "".join(st.feed(text[i:i + 4])[0] for i in range(0, len(text), 4)) + st.feed("", True, True)[0]
+    assert content == prefix and len(st.calls_sent) == num_complete
+    if num_complete:  # not cut (a stop inside a call): the broken text stays visible
+        assert '"city": "Ly' in p.parse(text, final=True).content
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_repeated_call_cuts_the_output_after_the_distinct_ones(name):
+    p = get_parser(name)
+    again = {"function": {"name": "get_weather", "arguments": '{ "city":"Paris" }'}}  # same JSON, other spacing
+    text = p.render_calls([*CALLS, again, CALLS[1]])
+    pos = repeat_cut(p, text)
+    assert pos is not None
+    got = p.parse(text[:pos], final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [("get_weather", {"city": "Paris"}),
+                                                                      ("get_time", {"tz": "cet"})]
+    assert repeat_cut(p, p.render_calls(CALLS)) is None
+    other = {"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    assert repeat_cut(p, p.render_calls([*CALLS, other])) is None
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))

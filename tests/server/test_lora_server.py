@@ -148,3 +148,28 @@ def test_load_unload_while_32_streams_run(lora_server):
     counts = asyncio.run(main())
     assert all(c == 48 for c in counts), counts
     assert {m["id"] for m in httpx.get(f"{s.v1}/models", headers=H).json()["data"]} == {"base", "a1"}
+
+
+def test_the_operators_pod_client_on_a_real_server(lora_server):
+    """``kiln.operator.podapi`` (what the operator calls pods with) against the real server:
+    what it serves, a load and an unload with the API key, the reasons of refusals."""
+    from kiln.operator.adapters import LoRAOp
+    from kiln.operator.podapi import PodLoRAClient, PodUnreachable
+
+    s, ads = lora_server
+    host, port = s.base.rsplit("//", 1)[1].rsplit(":", 1)
+    client = PodLoRAClient(port=int(port))
+    assert client.adapters(host, KEY) == {"a1": ads["a1"]}
+    with pytest.raises(PodUnreachable, match="401"):
+        client.adapters(host, None)  # no key: not an empty list
+    ok = client.call(LoRAOp("p", host, "load", "op-a2", ads["a2"]), KEY)
+    assert (ok.status, ok.reason) == (200, "")
+    assert set(client.adapters(host, KEY)) == {"a1", "op-a2"}
+    big = client.call(LoRAOp("p", host, "load", "op-big", ads["big"]), KEY)
+    assert (big.status, big.reason) == (400, "RankTooLarge") and "--max-lora-rank 16" in big.message
+    gone = client.call(LoRAOp("p", host, "unload", "nobody"), KEY)
+    assert gone.status == 404
+    assert client.call(LoRAOp("p", host, "unload", "op-a2"), KEY).status == 200
+    assert client.adapters(host, KEY) == {"a1": ads["a1"]}
+    down = PodLoRAClient(port=1, timeout=2).call(LoRAOp("p", host, "load", "x", "y"), KEY)
+    assert (down.status, down.reason) == (0, "PodUnreachable")

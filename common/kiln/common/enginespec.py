@@ -16,26 +16,31 @@ Equivalent spellings give the same hash: an omitted default and the default writ
 order, ``"0.5"`` / ``0.5`` / ``"500m"`` for decimal quantities, ``int4_awq`` / ``INT4-AWQ`` for
 method names, and settings that a method ignores (``groupSize`` with ``fp8``) are dropped.
 
-An engine folder's manifest (reading it, checking that an engine is complete) is
+The model source and calibration references are ``kiln.common.modelref``, the value readers
+(quantities, canonical JSON) ``kiln.common.specvalues``; both are re-exported here.  An engine
+folder's manifest (reading it, checking that an engine is complete) is
 ``kiln.common.manifest``; ports and paths are ``kiln.common.constants``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Mapping
 
 from .constants import ENGINE_FORMAT_VERSION, HASH_LENGTH
+# the model source and calibration data, and the value readers, live in their own modules
+# (re-exported here: ``from kiln.common.enginespec import ModelRef`` keeps working)
+from .modelref import CALIBRATION_MOUNT, MODEL_SOURCE_KINDS, CalibrationRef, ModelRef  # noqa: F401
+from .specvalues import (EngineSpecError, _claim_path, _decimal_str, _int,  # noqa: F401
+                         canonical_json, parse_quantity)
 
 __all__ = [
     "QUANTIZATION_METHODS", "CALIBRATING_METHODS", "GROUP_SIZES", "KV_CACHE_DTYPES", "BUILD_DEFAULTS",
     "EngineSpecError", "ModelRef", "CalibrationRef", "BuildSpec", "parse_quantity", "canonical_json",
-    "normalize_build_spec", "engine_hash", "engine_dir",
+    "normalize_build_spec", "engine_hash", "engine_dir", "HeadSpec",
 ]
 
 # --- build knobs --------------------------------------------------------------------------
@@ -45,7 +50,6 @@ CALIBRATING_METHODS = ("fp8", "int8-smoothquant", "int4-awq", "int4-gptq")  # ne
 GROUPED_METHODS = ("int4-awq", "int4-gptq")  # take a group size
 GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8")
-MODEL_SOURCE_KINDS = ("builtin", "path", "pvc", "huggingFace")
 
 # Defaults, in the CRD's spelling (camelCase).  The CRD's `default:` values must equal these
 # (tests/operator/test_crd.py checks it), and `kiln build`'s flags should default to them.
@@ -64,78 +68,6 @@ BUILD_DEFAULTS: dict[str, Any] = {
 # sha256 of the shipped default calibration data (kiln/runtime/data/calibration_mix.jsonl), in
 # every calibrating engine's hash: new default data, new engines (a test checks the file).
 DEFAULT_CALIBRATION_SHA256 = "sha256:d49fc5083f4ab169a2ab5f8e5301831f37881a1f90cc12ab0ce861a1d827f3e3"
-CALIBRATION_MOUNT = "/calibration"  # where a build Job mounts the claim of build.calibration
-_SHA256_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_QUANTITY_RE = re.compile(r"^([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
-_SUFFIX = {
-    None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6),
-    "G": Decimal(10**9), "T": Decimal(10**12), "Ki": Decimal(2**10), "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30), "Ti": Decimal(2**40),
-}
-
-
-class EngineSpecError(ValueError):
-    """A build spec that cannot be normalized: unknown method, bad group size, no model
-    source or more than one, a malformed quantity.  The message names the field."""
-
-
-def _claim_path(path: Any, field_name: str) -> str:
-    """A path on a claim, normalized (``a/./b`` = ``a/b``, no leading ``/``; ``.`` for the
-    claim's root).  Raises ``EngineSpecError`` for a path that leaves the claim (``..``)."""
-    p = os.path.normpath(str(path or ".")).lstrip("/") or "."
-    if p == ".." or p.startswith("../"):
-        raise EngineSpecError(f"{field_name}: {path!r} leaves the claim; give a path inside it")
-    return p
-
-
-def parse_quantity(value: Any, field_name: str = "value") -> Decimal:
-    """Parse a number or a Kubernetes-style quantity (``0.5``, ``"0.5"``, ``"500m"``, ``"1Ki"``).
-
-    Returns a ``Decimal``.  Raises ``EngineSpecError`` for booleans, malformed strings and
-    non-finite values.
-    """
-    if isinstance(value, bool):
-        raise EngineSpecError(f"{field_name}: expected a number or quantity, got a boolean")
-    if isinstance(value, int):
-        return Decimal(value)
-    if isinstance(value, float):
-        d = Decimal(repr(value))
-    elif isinstance(value, (str, Decimal)):
-        if isinstance(value, Decimal):
-            d = value
-        else:
-            m = _QUANTITY_RE.match(value.strip())
-            if not m:
-                raise EngineSpecError(f"{field_name}: {value!r} is not a number or quantity")
-            try:
-                d = Decimal(m.group(1)) * _SUFFIX[m.group(2)]
-            except InvalidOperation as e:  # pragma: no cover - regex already filters
-                raise EngineSpecError(f"{field_name}: {value!r} is not a number") from e
-    else:
-        raise EngineSpecError(f"{field_name}: expected a number or quantity, got {type(value).__name__}")
-    if not d.is_finite():
-        raise EngineSpecError(f"{field_name}: {value!r} is not finite")
-    return d
-
-
-def _decimal_str(d: Decimal) -> str:
-    """Canonical text of a decimal: no exponent, no trailing zeros (``0.50`` -> ``"0.5"``)."""
-    s = format(d.normalize(), "f")
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    return "0" if s in ("-0", "") else s
-
-
-def _int(value: Any, field_name: str, minimum: int = 1, maximum: int | None = None) -> int:
-    d = parse_quantity(value, field_name)
-    if d != d.to_integral_value():
-        raise EngineSpecError(f"{field_name}: {value!r} is not an integer")
-    i = int(d)
-    if i < minimum:
-        raise EngineSpecError(f"{field_name}: {i} is below the minimum {minimum}")
-    if maximum is not None and i > maximum:
-        raise EngineSpecError(f"{field_name}: {i} is above the maximum {maximum}")
-    return i
 
 
 # Bounds of the integer build fields, the same as the CRD's minimum / maximum (a test holds
@@ -152,146 +84,6 @@ def _method(value: Any) -> str:
         raise EngineSpecError(
             f"build.quantization: unknown method {value!r}; one of {', '.join(QUANTIZATION_METHODS)}")
     return m
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """A reference to where the weights come from, as a spec names it; the part of the hash
-    that names the model.  Resolving it to local files is the runtime's job
-    (``kiln.runtime.loader.ResolvedSource``).
-
-    Fields:
-        kind: ``builtin`` (a model shipped with Kiln), ``path`` (a local folder or ``.gguf``
-            file, as given to ``kiln build --model``), ``pvc`` (a path on a PersistentVolumeClaim)
-            or ``huggingFace`` (a hub repository).
-        name: builtin model name (``smollm2-135m-instruct``), kind ``builtin`` only.
-        path: file or folder path: absolute for ``path``, relative to the claim for ``pvc``.
-        claim_name: the claim, kind ``pvc`` only.
-        repo: ``org/name``, kind ``huggingFace`` only.
-        revision: commit or tag when known (``huggingFace``); part of the hash.
-        checksum: ``sha256:<hex>`` of the source when known; part of the hash.
-    """
-
-    kind: str
-    name: str | None = None
-    path: str | None = None
-    claim_name: str | None = None
-    repo: str | None = None
-    revision: str | None = None
-    checksum: str | None = None
-
-    @classmethod
-    def from_string(cls, src: str, checksum: str | None = None) -> "ModelRef":
-        """Parse ``kiln build --model SRC``: ``builtin:NAME``, ``pvc://CLAIM/PATH``,
-        ``hf://ORG/NAME[@REVISION]`` or a filesystem path (kept as written, normalized)."""
-        src = src.strip()
-        if src.startswith("builtin:"):
-            return cls(kind="builtin", name=src[len("builtin:"):].strip().lower(), checksum=checksum)
-        if src.startswith("pvc://"):
-            claim, _, path = src[len("pvc://"):].partition("/")
-            if not claim:
-                raise EngineSpecError(f"model: {src!r} names no claim (pvc://CLAIM/PATH)")
-            return cls(kind="pvc", claim_name=claim, path=_claim_path(path, "model"), checksum=checksum)
-        if src.startswith("hf://"):
-            repo, _, rev = src[len("hf://"):].partition("@")
-            return cls(kind="huggingFace", repo=repo, revision=rev or None, checksum=checksum)
-        if not src:
-            raise EngineSpecError("model: empty source")
-        return cls(kind="path", path=os.path.normpath(src), checksum=checksum)
-
-    @classmethod
-    def from_dict(cls, model: Mapping[str, Any]) -> "ModelRef":
-        """Parse an InferenceEngine ``spec.model``: exactly one of ``builtin``, ``pvc``,
-        ``huggingFace``, ``path`` (plus optional ``checksum``).  Raises ``EngineSpecError``."""
-        if not isinstance(model, Mapping):
-            raise EngineSpecError("model: expected an object")
-        present = [k for k in MODEL_SOURCE_KINDS if model.get(k) not in (None, "", {})]
-        if len(present) != 1:
-            raise EngineSpecError(
-                f"model: exactly one source of {', '.join(MODEL_SOURCE_KINDS)} is required, got "
-                f"{', '.join(present) or 'none'}")
-        kind = present[0]
-        checksum = model.get("checksum") or None
-        v = model[kind]
-        if kind == "builtin":
-            return cls(kind=kind, name=str(v).strip().lower(), checksum=checksum)
-        if kind == "path":
-            return cls(kind=kind, path=os.path.normpath(str(v)), checksum=checksum)
-        if kind == "pvc":
-            if not isinstance(v, Mapping) or not v.get("claimName"):
-                raise EngineSpecError("model.pvc: claimName is required")
-            return cls(kind=kind, claim_name=str(v["claimName"]), path=_claim_path(v.get("path"), "model.pvc.path"),
-                       checksum=checksum)
-        if not isinstance(v, Mapping) or not v.get("repo"):
-            raise EngineSpecError("model.huggingFace: repo is required")
-        return cls(kind=kind, repo=str(v["repo"]), revision=v.get("revision") or None,
-                   checksum=checksum)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The canonical (hashed) form: only the fields that are set, snake_case keys."""
-        d = {"kind": self.kind, "name": self.name, "path": self.path,
-             "claim_name": self.claim_name, "repo": self.repo, "revision": self.revision,
-             "checksum": self.checksum.lower() if self.checksum else None}
-        return {k: v for k, v in d.items() if v is not None}
-
-    def to_cli(self) -> str:
-        """The ``--model SRC`` argument for ``kiln build``: parsed back by ``from_string``, it
-        gives this very source (so the build hashes what the operator hashed)."""
-        if self.kind == "builtin":
-            return f"builtin:{self.name}"
-        if self.kind == "path":
-            return str(self.path)
-        if self.kind == "pvc":
-            return f"pvc://{self.claim_name}/{self.path}"
-        return f"hf://{self.repo}" + (f"@{self.revision}" if self.revision else "")
-
-    def mounted_path(self, models_mount: str) -> str:
-        """Where a ``pvc`` source is read from when its claim is mounted at ``models_mount``."""
-        return os.path.join(models_mount, self.path or ".")
-
-
-@dataclass(frozen=True)
-class CalibrationRef:
-    """Calibration data other than the shipped default, hashed by its bytes only (``checksum``):
-    the same data gives the same engine wherever it lives.  ``kind``: ``path`` (a local file,
-    ``kiln build --calibration-data``) or ``pvc`` (``build.calibration.pvc``: ``path`` relative
-    to the claim ``claim_name``); ``checksum``: ``sha256:<hex>`` of the file (computed by
-    ``kiln build``; required in an InferenceEngine, whose operator cannot read the claim)."""
-
-    kind: str
-    path: str
-    checksum: str
-    claim_name: str | None = None
-
-    def __post_init__(self) -> None:
-        c = str(self.checksum or "").strip().lower()
-        if not _SHA256_RE.match(c):
-            raise EngineSpecError(f"build.calibration.checksum: expected sha256:<64 hex digits>, got {self.checksum!r}")
-        object.__setattr__(self, "checksum", c)
-
-    @classmethod
-    def from_dict(cls, cal: Any) -> "CalibrationRef | None":
-        """Parse an InferenceEngine ``spec.build.calibration`` (``pvc: {claimName, path}`` and
-        ``checksum``); ``None`` or ``{}`` means the shipped default.  Raises ``EngineSpecError``."""
-        if not cal or not isinstance(cal, Mapping):
-            if cal in (None, {}):
-                return None
-            raise EngineSpecError("build.calibration: expected an object")
-        if set(cal) - {"pvc", "checksum"}:
-            raise EngineSpecError(f"build.calibration: unknown field(s) {', '.join(sorted(set(cal) - {'pvc', 'checksum'}))}")
-        pvc = cal.get("pvc")
-        if not isinstance(pvc, Mapping) or not pvc.get("claimName") or not pvc.get("path"):
-            raise EngineSpecError("build.calibration.pvc: claimName and path are required")
-        if not cal.get("checksum"):
-            raise EngineSpecError("build.calibration.checksum: required (sha256:<hex> of the file): the engine "
-                                  "hash names the calibration data, which the operator cannot read")
-        if (path := os.path.normpath(str(pvc["path"])).lstrip("/")) in ("", ".") or path.startswith(".."):
-            raise EngineSpecError(f"build.calibration.pvc.path: {pvc['path']!r} is not a file path inside the claim")
-        return cls(kind="pvc", path=path, checksum=cal["checksum"], claim_name=str(pvc["claimName"]))
-
-    def to_cli(self, mount: str = CALIBRATION_MOUNT) -> str:
-        """The ``--calibration-data FILE`` argument (a ``pvc`` file: where its claim is mounted)."""
-        return os.path.join(mount, self.path) if self.kind == "pvc" else self.path
 
 
 @dataclass(frozen=True)
@@ -446,6 +238,8 @@ class BuildSpec:
         """The engine hash: the first ``length`` hex chars of sha256(canonical JSON)."""
         return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()[:length]
 
+    command = ("build",)  # the kiln subcommand that writes it (not a field: not hashed)
+
     def to_build_args(self, output: str, models_mount: str = "/models", calibration_mount: str = CALIBRATION_MOUNT) -> list[str]:
         """The ``kiln build`` arguments (after ``build``) that build exactly this spec."""
         args = ["--model", self.source.to_cli(), "--output", output, "--quantization", self.quantization]
@@ -470,22 +264,39 @@ class BuildSpec:
         return args
 
 
-def canonical_json(obj: Any) -> str:
-    """Canonical JSON: sorted keys, no whitespace, UTF-8 kept.  Floats are refused (decimals
-    are carried as canonical strings) so the text never depends on float printing."""
 
-    def check(o: Any) -> None:
-        if isinstance(o, float):
-            raise EngineSpecError("canonical_json: floats are not allowed; use decimal strings")
-        if isinstance(o, Mapping):
-            for v in o.values():
-                check(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                check(v)
+@dataclass(frozen=True)
+class HeadSpec:
+    """An EAGLE / EAGLE-3 head checkpoint fetched onto an engine cache claim, read as it is (no
+    quantization, no build limits): content-addressed like an engine, by its source only, so a
+    head lives at ``<cache_root>/<hash>`` beside the engines and is shared, recorded and cleaned
+    up as they are.  ``kiln head fetch`` writes it (``command``, ``to_build_args``).
 
-    check(obj)
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    Fields:
+        source: where the head comes from (``huggingFace`` with its revision; a head on a claim
+            is mounted where it is and needs no fetch).
+        format_version: ``ENGINE_FORMAT_VERSION``.
+    """
+
+    source: ModelRef
+    format_version: int = field(default=ENGINE_FORMAT_VERSION)
+
+    command = ("head",)  # the kiln subcommand that writes it
+    quantization = "none"  # read as it is
+    calibrates = False
+    calibration = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical form that is hashed (a head never hashes like an engine: its own key)."""
+        return {"format_version": self.format_version, "eagle_head": self.source.to_dict()}
+
+    def hash(self, length: int = HASH_LENGTH) -> str:
+        """The head's content address: ``length`` hex chars of sha256(canonical JSON)."""
+        return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()[:length]
+
+    def to_build_args(self, output: str, models_mount: str = "/models", calibration_mount: str = "") -> list[str]:
+        """``kiln head`` arguments (after ``head``) that fetch exactly this head into ``output``."""
+        return ["fetch", "--source", self.source.to_cli(), "--output", output]
 
 
 def normalize_build_spec(spec: Mapping[str, Any] | BuildSpec) -> dict[str, Any]:

@@ -54,7 +54,10 @@ class MetricSpec:
 
 
 METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(METRIC_REQUEST_QUEUE_TIME, "histogram", "Arrival to first scheduling (seconds).",
+    MetricSpec(METRIC_REQUEST_QUEUE_TIME, "histogram", "Arrival to first scheduling, less the time its "
+               "grammar compiled (seconds).", buckets=LATENCY_BUCKETS),
+    MetricSpec("kiln_request_grammar_compile_time_seconds", "histogram",
+               "Arrival to the structured-output grammar compiled (seconds; requests with a grammar).",
                buckets=LATENCY_BUCKETS),
     MetricSpec("kiln_time_to_first_token_seconds", "histogram", "Arrival to first token (seconds).",
                buckets=LATENCY_BUCKETS),
@@ -86,6 +89,21 @@ METRICS: tuple[MetricSpec, ...] = (
                "client_gone, engine_error).", labels=("reason",)),
     MetricSpec("kiln_detokenize_seconds_total", "counter",
                "Time the API processes spent detokenizing and matching stop strings (seconds)."),
+    MetricSpec("kiln_spec_decode_num_drafts_total", "counter",
+               "Speculative decoding: sequence-steps that verified drafts."),
+    MetricSpec("kiln_spec_decode_num_draft_tokens_total", "counter",
+               "Speculative decoding: draft tokens proposed and verified."),
+    MetricSpec("kiln_spec_decode_num_accepted_tokens_total", "counter",
+               "Speculative decoding: draft tokens the model accepted."),
+    MetricSpec("kiln_spec_decode_num_draft_tokens_per_pos_total", "counter",
+               "Speculative decoding: drafts proposed at each draft position (0-based).", labels=("position",)),
+    MetricSpec("kiln_spec_decode_num_accepted_tokens_per_pos_total", "counter",
+               "Speculative decoding: drafts accepted at each draft position (0-based); over the proposed count "
+               "it is the acceptance rate per position.", labels=("position",)),
+    MetricSpec("kiln_spec_decode_acceptance_rate", "gauge",
+               "Speculative decoding: accepted over proposed draft tokens since start (0-1)."),
+    MetricSpec("kiln_spec_decode_mean_accepted_length", "gauge",
+               "Speculative decoding: tokens per verifying sequence-step since start, accepted drafts + 1."),
     MetricSpec("kiln_process_cpu_seconds", "gauge", "CPU time used by a server process, user + system (seconds).",
                labels=("process",)),
     MetricSpec("kiln_process_resident_memory_bytes", "gauge", "Resident memory of a server process (bytes).",

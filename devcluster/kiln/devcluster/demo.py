@@ -15,7 +15,7 @@ With KUBECONFIG pointing at a real cluster it `helm install`s the chart there (t
 runs in the cluster), applies the example, waits for Ready and asks through
 `kubectl port-forward svc/<name> :8000`.
 
-Waits give up only when nothing advances for --stall seconds (phase, build state, pods, the
+Waits give up only when nothing advances for --stall seconds (phase, build state and progress, pods, the
 pods' logs), never on a fixed deadline: a loaded machine makes the demo slower, not failed.
 """
 
@@ -133,9 +133,11 @@ def on_real_cluster(a: argparse.Namespace) -> int:
         out = subprocess.run([kubectl, "get", "ie", name, "-n", a.namespace, "-o", "json"],
                              capture_output=True, text=True).stdout
         st = json.loads(out or "{}").get("status") or {}
-        view = (st.get("phase"), (st.get("build") or {}).get("state"), st.get("readyReplicas"))
-        if view != last[0]:
-            say(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]} ready={view[2]}")
+        build = st.get("build") or {}
+        view = (st.get("phase"), build.get("state"), st.get("readyReplicas"), build.get("progress"))
+        if view != last[0]:  # each step of the build's progress counts as progress of the wait
+            where = f" ({view[3]})" if view[3] else ""
+            say(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]}{where} ready={view[2]}")
             last[0] = view
         return st.get("phase") == "Ready"
 

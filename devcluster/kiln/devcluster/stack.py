@@ -281,7 +281,7 @@ class Stack:
     def wait_ready(self, name: str, ns: str, stall: float = 600, generation: int | None = None,
                    progress: bool = True) -> float:
         """Waits until the engine's phase is Ready (for ``generation`` or later); prints each
-        change of phase, build state, replicas and pods.  Fails when it turns Degraded, or when
+        change of phase, build state and progress (``status.build.progress``), replicas and pods.  Fails when it turns Degraded, or when
         for ``stall`` seconds neither that view nor its pods' logs (build output, server start-up;
         not probe access lines) changed: a loaded machine makes it slower, not failed.  Returns
         the seconds waited."""
@@ -293,11 +293,13 @@ class Stack:
             st = ie.get("status") or {}
             pods = self.pods(ns, f"kiln.dev/engine={name}")
             podsum = ", ".join(sorted(f"{p['metadata']['name']}:{self._pod_state(p)}" for p in pods)) or "-"
-            view = (st.get("phase"), (st.get("build") or {}).get("state"), st.get("readyReplicas"), podsum,
-                    st.get("observedGeneration"))
+            build = st.get("build") or {}
+            view = (st.get("phase"), build.get("state"), st.get("readyReplicas"), podsum,
+                    st.get("observedGeneration"), build.get("progress"))
             if view != last[0]:
-                if progress:
-                    self.log(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]} "
+                if progress:  # the build's own progress (status.build.progress) while it runs
+                    where = f" ({view[5]})" if view[5] else ""
+                    self.log(f"  +{time.monotonic() - t0:5.1f}s  phase={view[0]} build={view[1]}{where} "
                              f"ready={view[2]} pods=[{podsum}]")
                 last[0] = view
             gen_ok = generation is None or int(st.get("observedGeneration") or 0) >= generation

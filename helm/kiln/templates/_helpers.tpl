@@ -60,9 +60,56 @@ app.kubernetes.io/component: operator
   resources: [services, configmaps, persistentvolumeclaims]
   verbs: [get, create, patch]
 - apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, delete]
+- apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
 - apiGroups: [""]
+  resources: [secrets, pods/log]
+  verbs: [get]
+- apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+# --- spec.gateway and autoscaling mode keda (optional APIs, used where discovery finds them) ---
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, create, patch, delete]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, create, patch, delete]
+# the endpoint picker's objects (owned by its InferencePool: deleted with it, never by the operator)
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [rolebindings]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [clusterroles, roles]
+  verbs: [bind]
+  resourceNames:
+    - '{{ include "kiln.fullname" . }}-endpoint-picker'
+# --- end spec.gateway and mode keda ---
 {{- end -}}
+
+{{/* --- router --- */}}
+{{- define "kiln.routerSelectorLabels" -}}
+app.kubernetes.io/name: kiln
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end -}}
+
+{{/* Rules of the router: read engines and their endpoints, patch engines (the activity annotation). */}}
+{{- define "kiln.routerRules" -}}
+- apiGroups: [kiln.dev]
+  resources: [inferenceengines]
+  verbs: [list, watch, patch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, watch]
+{{- end -}}
+{{/* --- end router --- */}}

@@ -358,8 +358,11 @@ def w4a16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzer
     return (x.float() @ dequantize_ref(qweight, scales, qzeros).t()).to(x.dtype)
 
 
-def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_fp8_ref(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row FP8: ``x`` float [T, K] -> (float8_e4m3fn [T, K], float32 scales [T, 1])
-    with ``scale[t] = max(|x[t, :]|, 1e-12) / 448`` and ``x ≈ q * scale``."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_E4M3_MAX
+    with ``scale[t] = max(amax[t], 1e-12) / 448`` and ``x ≈ q * scale``; ``amax`` float32 [T, 1]
+    defaults to ``max|x[t, :]|`` (pass it when ``x`` is one shard of a wider row: the row's max)."""
+    if amax is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = amax.float().clamp(min=1e-12) / FP8_E4M3_MAX
     return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale

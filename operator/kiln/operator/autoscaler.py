@@ -1,6 +1,8 @@
-"""The builtin autoscaler: scrape each serving pod's ``/metrics``, turn the
-``kiln_request_queue_time_seconds`` histogram into a mean queue time per pod over the last
-interval, and recommend replicas the way the HPA does (``ceil(current * metric / target)``
+"""The builtin autoscaler: scrape each serving pod's ``/metrics``, read the signal of
+``spec.autoscaling.metric`` (``scaling_metrics``: a histogram such as
+``kiln_request_queue_time_seconds`` as its mean per observation over the last interval, a
+gauge such as ``kiln_kv_cache_usage_ratio`` as its current value), average it over pods, and
+recommend replicas the way the HPA does (``ceil(current * metric / target)``
 with a 10% tolerance), through stabilization windows (scale up to the *lowest*
 recommendation of the up-window, down to the *highest* of the down-window).
 
@@ -19,7 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .constants import HTTP_PORT, METRIC_REQUEST_QUEUE_TIME, METRICS_PATH
+from .scaling_metrics import ScalingMetric, scaling_metric
 from .spec import AutoscalingSpec
+
+#: The runtime's gauge of requests waiting to be scheduled: a histogram signal's interval with no
+#: request scheduled reads as 0 only when none waits (long requests on few slots schedule rarely).
+WAITING_SERIES = scaling_metric("waitingRequests").series
 
 TOLERANCE = 0.1  # like the HPA: no change while |metric/target - 1| <= 10%
 
@@ -89,6 +96,21 @@ def parse_histogram(text: str, name: str = METRIC_REQUEST_QUEUE_TIME) -> Histogr
     return HistogramTotals(total_sum, total_count) if seen else None
 
 
+def parse_gauge(text: str, name: str, reduce: str = "sum") -> float | None:
+    """The value of gauge ``name`` in Prometheus text exposition (label sets combined by
+    ``reduce``: ``sum`` or ``max``), or None when absent."""
+    values = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if m and m.group(1) == name:
+            values.append(float(m.group(3)))
+    if not values:
+        return None
+    return max(values) if reduce == "max" else sum(values)
+
+
 def mean_over_interval(prev: HistogramTotals | None, cur: HistogramTotals) -> float | None:
     """Mean queue time (seconds) of the requests scheduled between two scrapes; 0.0 when none
     were; None on the first scrape or after a counter reset."""
@@ -134,11 +156,13 @@ def stabilize(history: Iterable[tuple[float, int]], current: int, now: float,
 class EngineScaling:
     """Per-engine memory of the builtin autoscaler."""
 
-    last_totals: dict[str, HistogramTotals] = field(default_factory=dict)  # pod name -> totals
+    last_totals: dict[str, HistogramTotals] = field(default_factory=dict)  # pod name -> totals (histograms)
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, recommendation)
     desired: int | None = None
     observed: float | None = None
+    metric: str = "queueTime"  # spec.autoscaling.metric of ``observed``
     last_scale_time: str | None = None
+    last_active: str | None = None  # RFC 3339: last scrape that saw requests scheduled
 
 
 class BuiltinAutoscaler:
@@ -156,36 +180,56 @@ class BuiltinAutoscaler:
         """Drop the memory of an engine (deleted, or no longer in builtin mode)."""
         self.engines.pop(key, None)
 
-    def wish(self, key: str) -> tuple[int | None, dict | None]:
-        """``(desired replicas or None, status.autoscaler dict or None)`` for the reconciler."""
+    def wish(self, key: str) -> tuple[int | None, dict | None, str | None]:
+        """``(desired replicas or None, status.autoscaler dict or None, last active time or
+        None)`` for the reconciler; the last active time (RFC 3339) is the last scrape that saw
+        a pod schedule requests (the scale-to-zero idle window's direct traffic)."""
         e = self.engines.get(key)
-        if e is None or e.desired is None:
-            return None, None
+        if e is None:
+            return None, None, None
+        if e.desired is None:
+            return None, None, e.last_active
         st: dict[str, Any] = {"desiredReplicas": e.desired}
         if e.observed is not None:
-            st["observedQueueTimeSeconds"] = round(e.observed, 6)
+            if e.metric == "queueTime":
+                st["observedQueueTimeSeconds"] = round(e.observed, 6)
+            st["metric"], st["observedValue"] = e.metric, round(e.observed, 6)
         if e.last_scale_time:
             st["lastScaleTime"] = e.last_scale_time
-        return e.desired, st
+        return e.desired, st, e.last_active
 
     def observe(self, key: str, pods: list[Mapping[str, Any]], current: int,
                 scaling: AutoscalingSpec, now_iso: str) -> bool:
         """Scrape ``pods`` (the ready serving pods), update the recommendation of ``key``.
         Returns True when the desired replicas changed (the engine should be reconciled)."""
         e = self.engines.setdefault(key, EngineScaling())
+        signal: ScalingMetric = scaling.signal
+        if e.metric != scaling.metric:  # another signal: the histogram totals mean nothing now
+            e.metric, e.last_totals, e.observed = scaling.metric, {}, None
         means: list[float] = []
         alive = set()
         for pod in pods:
             name = pod["metadata"]["name"]
             alive.add(name)
             try:
-                totals = parse_histogram(self.fetcher(pod))
+                text = self.fetcher(pod)
             except Exception:  # noqa: BLE001 - an unreachable pod is skipped, like the HPA
                 continue
+            if signal.kind == "gauge":
+                value = parse_gauge(text, signal.series, signal.pod_reduce)
+                if value is not None:
+                    means.append(value)
+                continue
+            totals = parse_histogram(text, signal.series)
             if totals is None:
                 continue
-            mean = mean_over_interval(e.last_totals.get(name), totals)
+            prev = e.last_totals.get(name)
+            if prev is not None and totals.count > prev.count:
+                e.last_active = now_iso
+            mean = mean_over_interval(prev, totals)
             e.last_totals[name] = totals
+            if mean == 0.0 and (parse_gauge(text, WAITING_SERIES) or 0.0) > 0:
+                continue  # none scheduled in the interval while requests wait: no reading, not a queue time of 0
             if mean is not None:
                 means.append(mean)
         for gone in set(e.last_totals) - alive:
@@ -195,7 +239,7 @@ class BuiltinAutoscaler:
         metric = sum(means) / len(means)
         e.observed = metric
         t = self.clock()
-        rec = recommend(current, metric, scaling.target_queue_time_seconds,
+        rec = recommend(current, metric, scaling.target_value,
                         scaling.min_replicas, scaling.max_replicas)
         e.history.append((t, rec))
         up, down = scaling.scale_up_stabilization_seconds, scaling.scale_down_stabilization_seconds

@@ -10,58 +10,22 @@ changes nothing) and each builder is unit-tested without a cluster.  ``spec`` is
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-import re
 from decimal import Decimal
 from typing import Any, Mapping, Sequence, Union
 
 from kiln.common.enginespec import CALIBRATION_MOUNT, canonical_json, engine_dir
 
 from . import constants as c
+from .adapter_spec import ADAPTER_LIST_MOUNT, lora_serve_args
+from . import podspec
+from .names import MAX_NAME, child_name, dns_label, label_value  # noqa: F401  (re-exported)
+from .speculative import LABEL_DRAFT_ENGINE_HASH, eagle_volumes, speculative_serve_args
 from .spec import ComputeResources, InferenceEngineSpec, as_spec
 
 Obj = dict[str, Any]
 Spec = Union[InferenceEngineSpec, Mapping[str, Any]]  # parsed, or a plain spec dict (parsed here)
-
-MAX_NAME = 63  # DNS label: Job, Service and label values
-_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-
-
-def child_name(base: str, suffix: str = "", limit: int = MAX_NAME) -> str:
-    """``base-suffix`` cut to ``limit`` chars; a cut name gets 6 hex chars of sha256 of the
-    full name so distinct long names stay distinct."""
-    full = f"{base}-{suffix}" if suffix else base
-    if len(full) <= limit:
-        return full
-    digest = hashlib.sha256(full.encode()).hexdigest()[:6]
-    keep = limit - len(digest) - 1 - (len(suffix) + 1 if suffix else 0)
-    head = base[:max(keep, 1)].rstrip("-.")
-    return f"{head}-{digest}-{suffix}" if suffix else f"{head}-{digest}"
-
-
-def label_value(value: str) -> str:
-    """``value`` as a valid label value (at most 63 characters, alphanumeric at both ends).
-    A longer value keeps its head and gets 8 hex chars of sha256 of the whole, so two names
-    that share their first 63 characters never share a label (and so never a selector)."""
-    if len(value) <= MAX_NAME:
-        return value
-    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
-    return f"{value[:MAX_NAME - 9].rstrip('-._')}-{digest}"
-
-
-def dns_label(value: str) -> str:
-    """``value`` as an RFC 1035 label (what a Service name must be: lowercase alphanumerics
-    and ``-``, a letter first, at most 63 characters).  A name that already is one stays as it
-    is; any other (dots, a leading digit, too long) is rewritten and gets 8 hex chars of sha256
-    of the original, so distinct resource names give distinct child names."""
-    if len(value) <= MAX_NAME and _DNS1035.fullmatch(value):
-        return value
-    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
-    head = re.sub(r"[^a-z0-9-]+", "-", value.lower())
-    if not head[:1].isalpha():
-        head = "x" + head
-    head = head[:MAX_NAME - 9].strip("-")
-    return f"{head}-{digest}"
 
 
 def owner_ref(owner: Mapping[str, Any], controller: bool = True) -> Obj:
@@ -100,6 +64,11 @@ def build_labels(claim: str, hash_: str) -> dict[str, str]:
 def build_selector(claim: str) -> str:
     """Label selector of the build Jobs (and their pods) of one cache claim."""
     return f"{c.LABEL_COMPONENT}={c.COMPONENT_BUILD},{c.LABEL_CACHE_CLAIM}={label_value(claim)}"
+
+
+def gc_selector(claim: str) -> str:
+    """Label selector of the engine cache cleanup Jobs of one cache claim."""
+    return f"{c.LABEL_COMPONENT}={c.COMPONENT_GC},{c.LABEL_CACHE_CLAIM}={label_value(claim)}"
 
 
 def selector_labels(owner: Mapping[str, Any]) -> dict[str, str]:
@@ -220,10 +189,11 @@ def cache_claim(spec: Spec, owner: Mapping[str, Any]) -> Obj:
 
 
 def engine_record(spec: Spec, hash_: str, owner: Mapping[str, Any], job: str,
-                  completed_at: str) -> Obj:
+                  completed_at: str, report: Mapping[str, Any] | None = None) -> Obj:
     """The engine record: a ConfigMap saying that engine ``hash_`` is complete on the cache
     claim (written when its build Job succeeds).  Not owned: it lives as long as the claim's
-    content.  Delete it to force a rebuild."""
+    content.  Delete it to force a rebuild.  ``report`` is the build's own
+    (``kiln.common.enginecache.parse_build_report``): the engine's size and accuracy."""
     spec = as_spec(spec)
     claim = spec.storage.claim_name
     meta = _meta(owner, record_name(claim, hash_), c.COMPONENT_RECORD, hash_, owned=False)
@@ -233,7 +203,16 @@ def engine_record(spec: Spec, hash_: str, owner: Mapping[str, Any], job: str,
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {"engineHash": hash_, "claimName": claim, "path": engine_dir(c.DEFAULT_CACHE_ROOT, hash_),
                      "buildSpec": canonical_json(spec.engine.to_dict()), "builtBy": f"{owner['namespace']}/{job}",
-                     "completedAt": completed_at}}
+                     "completedAt": completed_at, **_report_data(report)}}
+
+
+def _report_data(report: Mapping[str, Any] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if report and isinstance(report.get("bytes"), int):
+        out["sizeBytes"] = str(report["bytes"])
+    if report and report.get("accuracy"):
+        out["accuracy"] = json.dumps(report["accuracy"], sort_keys=True, separators=(",", ":"))  # floats: not canonical_json
+    return out
 
 
 HF_CACHE_SUBPATH = ".hf-cache"  # Hub downloads on the cache claim (kiln build --download-dir)
@@ -254,6 +233,10 @@ def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
     gpus = spec.resources.gpus if bs.calibrates else 0
     args = bs.to_build_args(engine_dir(c.DEFAULT_CACHE_ROOT, hash_), models_mount=c.MODELS_MOUNT)
     args += ["--termination-log", c.TERMINATION_LOG]  # the failure's cause reaches the status
+    if spec.build.accuracy_gate is not None:  # kiln eval against the source before the engine is recorded
+        ppl, agree, prompts = spec.build.accuracy_gate
+        args += (["--max-perplexity-increase", str(ppl)] if ppl is not None else []) \
+            + (["--min-greedy-agreement", str(agree)] if agree is not None else []) + ["--gate-prompts", str(prompts)]
     mounts = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT},
               {"name": "tmp", "mountPath": c.TMP_MOUNT}]
     volumes: list[Obj] = [
@@ -284,7 +267,7 @@ def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
     container: Obj = {
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["kiln", "build"], "args": args, "env": env, "volumeMounts": mounts,
+        "command": ["kiln", *bs.command], "args": args, "env": env, "volumeMounts": mounts,
         "securityContext": _container_security(),
         "terminationMessagePath": c.TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -297,18 +280,21 @@ def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
     pod_labels = build_labels(claim, hash_)
     meta = {"name": job_name(claim, hash_), "namespace": owners[0]["namespace"], "labels": dict(pod_labels),
             "ownerReferences": build_owner_refs(owners)}
+    template = podspec.apply_build(spec.pod, {
+        "metadata": {"labels": pod_labels},
+        "spec": {"restartPolicy": "Never", "securityContext": _pod_security(),
+                 "containers": [container], "volumes": volumes,
+                 "enableServiceLinks": False, **_pod_placement(spec)}})
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": meta,
         "spec": {
             "backoffLimit": spec.build.backoff_limit,
             "activeDeadlineSeconds": spec.build.active_deadline_seconds,
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {"restartPolicy": "Never", "securityContext": _pod_security(),
-                         "containers": [container], "volumes": volumes,
-                         "enableServiceLinks": False, **_pod_placement(spec)},
-            },
+            # bad input (2) and a failed accuracy gate (3) fail the same way again: no retry
+            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+                "containerName": c.CONTAINER_NAME, "operator": "In", "values": [2, 3]}}]},
+            "template": template,
         },
     }
 
@@ -335,8 +321,15 @@ def serve_args(spec: Spec, hash_: str, owner: Mapping[str, Any]) -> list[str]:
     args += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu"]
     if rt.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(rt.tensor_parallel_size)]
+    args += lora_serve_args(rt.lora, c.DEFAULT_CACHE_ROOT)
+    args += speculative_serve_args(rt.speculative, spec.storage.claim_name)
     args += list(rt.extra_args)
     return args
+
+
+def adapter_list_name(owner: Mapping[str, Any]) -> str:
+    """Name of the ConfigMap listing the adapters a serving pod loads at start."""
+    return child_name(deployment_name(owner), "adapters")
 
 
 def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, Any],
@@ -345,7 +338,7 @@ def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, 
     rt, res = spec.runtime, spec.resources
     period = 10
     env = [{"name": "HOME", "value": c.TMP_MOUNT}, {"name": "KILN_ENGINE_HASH", "value": hash_}]
-    user_env = [{"name": e.name, "value": e.value} for e in rt.env]
+    user_env = [e.to_pod() for e in rt.env]
     mounts: list[Obj] = [{"name": "engines", "mountPath": c.DEFAULT_CACHE_ROOT, "readOnly": True},
                          {"name": "tmp", "mountPath": c.TMP_MOUNT},
                          {"name": "dshm", "mountPath": "/dev/shm"}]
@@ -355,6 +348,9 @@ def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, 
         if not any(e["name"] == "TRITON_CACHE_DIR" for e in user_env):
             env.append({"name": "TRITON_CACHE_DIR", "value": f"{c.COMPILE_CACHE_MOUNT}/triton"})
     env += user_env
+    mounts += eagle_volumes(rt.speculative, spec.storage.claim_name)[1]  # an EAGLE head on another claim
+    if rt.lora.enabled:  # the adapter list, read at start (adapters.py keeps it current)
+        mounts.append({"name": "adapters", "mountPath": ADAPTER_LIST_MOUNT, "readOnly": True})
     if rt.api_key is not None:  # kiln serve reads its API key from KILN_API_KEY; probes stay open
         env.append({"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": rt.api_key.name, "key": rt.api_key.key}}})
@@ -362,6 +358,7 @@ def _serve_container(spec: InferenceEngineSpec, hash_: str, owner: Mapping[str, 
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kiln", "serve"], "args": serve_args(spec, hash_, owner), "env": env,
+        **({"envFrom": [dict(e) for e in rt.env_from]} if rt.env_from else {}),
         "ports": [{"name": "http", "containerPort": c.HTTP_PORT, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": c.READY_PATH, "port": "http"}, "periodSeconds": period,
                          "failureThreshold": max(1, math.ceil(spec.rollout.startup_timeout_seconds / period)),
@@ -393,12 +390,14 @@ def deployment(spec: Spec, hash_: str, owner: Mapping[str, Any], *,
     """
     spec = as_spec(spec)
     pod_labels = {**labels(owner, c.COMPONENT_SERVER, hash_), **selector_labels(owner)}
+    if spec.draft_hash:  # the draft engine it serves with (a new draft rolls the pods; kept by the cleanup)
+        pod_labels[LABEL_DRAFT_ENGINE_HASH] = spec.draft_hash
     dep_spec: Obj = {
         "selector": {"matchLabels": selector_labels(owner)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {
             "maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}},
         "revisionHistoryLimit": 3,
-        "template": {
+        "template": podspec.apply_serving(spec.pod, {
             "metadata": {"labels": pod_labels},
             "spec": {"securityContext": _pod_security(),
                      "containers": [_serve_container(spec, hash_, owner, default_image)],
@@ -409,9 +408,12 @@ def deployment(spec: Spec, hash_: str, owner: Mapping[str, Any], *,
                              # read-only unless the compile cache needs its one writable subPath
                              "readOnly": not spec.keeps_compile_cache}},
                          {"name": "tmp", "emptyDir": {}},
-                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}}],
+                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
+                         *([{"name": "adapters", "configMap": {"name": adapter_list_name(owner)}}]
+                           if spec.runtime.lora.enabled else []),
+                         *eagle_volumes(spec.runtime.speculative, spec.storage.claim_name)[0]],
                      **_pod_placement(spec)},
-        },
+        }, selector_labels(owner)),
     }
     if replicas is not None:
         dep_spec["replicas"] = int(replicas)
@@ -427,30 +429,6 @@ def service(spec: Spec, owner: Mapping[str, Any]) -> Obj:
             "spec": {"type": "ClusterIP", "selector": selector_labels(owner),
                      "ports": [{"name": "http", "port": c.HTTP_PORT, "targetPort": "http",
                                 "protocol": "TCP"}]}}
-
-
-def hpa(spec: Spec, owner: Mapping[str, Any]) -> Obj:
-    """The ``autoscaling/v2`` HPA for mode ``hpa``: a Pods metric
-    ``kiln_request_queue_time_seconds`` (mean queue time per pod, as prometheus-adapter's rule
-    in the chart serves it) with target ``targetQueueTimeSeconds`` as an average value."""
-    a = as_spec(spec).autoscaling
-    return {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(owner, deployment_name(owner), c.COMPONENT_SERVER),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
-                               "name": deployment_name(owner)},
-            "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas,
-            "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": c.HPA_METRIC_NAME},
-                "target": {"type": "AverageValue",
-                           "averageValue": to_quantity(a.target_queue_time_seconds)}}}],
-            "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_seconds},
-                "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds},
-            },
-        },
-    }
 
 
 def event(owner: Mapping[str, Any], *, type_: str, reason: str, message: str, now: str,

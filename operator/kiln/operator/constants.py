@@ -39,6 +39,14 @@ COMPONENT_SERVER = "server"
 COMPONENT_BUILD = "build"
 COMPONENT_CACHE = "engine-cache"
 COMPONENT_RECORD = "engine-record"
+COMPONENT_GC = "engine-gc"  # the engine cache's cleanup Jobs
+
+# Engine record annotations (the engine cache lifecycle, enginegc.py).
+ANNOTATION_UNUSED_SINCE = "kiln.dev/unused-since"  # RFC 3339: no resource has used the engine since
+ANNOTATION_DELETING = "kiln.dev/deleting"  # the cleanup Job deleting the engine: not served nor built meanwhile
+# On an InferenceEngine, written by the Kiln router (its only write): RFC 3339 time of the last
+# request it held or forwarded for the engine; the scale-to-zero idle window's clock (idle.py).
+ANNOTATION_LAST_REQUEST = "kiln.dev/last-request-time"
 
 CONTAINER_NAME = "kiln"
 MODELS_MOUNT = "/models"  # where a model source claim (spec.model.pvc) is mounted

@@ -21,6 +21,7 @@ from . import builders as b
 from . import constants as c
 from .autoscaler import BuiltinAutoscaler
 from .conditions import now_rfc3339
+from .enginegc import EngineJanitor, GcSettings
 from .kube import ApiError, Kube
 from .reconcile import Reconciler, ReconcilerConfig
 from .spec import AutoscalingSpec, EngineSpecError, parse_spec
@@ -37,6 +38,7 @@ class ControllerConfig:
         resync_seconds: every known engine is reconciled at least this often.
         autoscale_seconds: builtin autoscaler scrape interval.
         backoff_base / backoff_max: retry delays after a failed reconcile.
+        engine_gc_seconds: the engine cache cleanup step runs this often (0: never).
     """
 
     workers: int = 8
@@ -44,6 +46,7 @@ class ControllerConfig:
     autoscale_seconds: float = 15.0
     backoff_base: float = 1.0
     backoff_max: float = 60.0
+    engine_gc_seconds: float = 300.0
 
 
 def _rv(body: Mapping[str, Any] | None) -> int:
@@ -57,8 +60,10 @@ class Controller:
     """Owns the queue, the engine cache (last seen bodies) and the loops."""
 
     def __init__(self, kube: Kube, reconciler_config: ReconcilerConfig | None = None,
-                 config: ControllerConfig | None = None, autoscaler: BuiltinAutoscaler | None = None):
+                 config: ControllerConfig | None = None, autoscaler: BuiltinAutoscaler | None = None,
+                 gc: GcSettings | None = None):
         self.kube = kube
+        self.janitor = EngineJanitor(kube, gc or GcSettings(image=(reconciler_config or ReconcilerConfig()).default_image))
         self.config = config or ControllerConfig()
         self.autoscaler = autoscaler or BuiltinAutoscaler()
         self.reconciler = Reconciler(kube, reconciler_config, scaler=self.autoscaler.wish, peers=self.engines_in)
@@ -112,7 +117,9 @@ class Controller:
         elif labels.get(c.LABEL_COMPONENT) == c.COMPONENT_BUILD:
             h = labels.get(c.LABEL_ENGINE_HASH)
             for key, eng in list(self.bodies.items()):
-                if eng["metadata"].get("namespace") == ns and (eng.get("status") or {}).get("engineHash") == h:
+                st = eng.get("status") or {}
+                draft = ((st.get("engine") or {}).get("draft") or {}).get("hash")  # a draft engine's build
+                if eng["metadata"].get("namespace") == ns and h in (st.get("engineHash"), draft):
                     self.enqueue(key)
 
     def engines_in(self, namespace: str) -> list[dict]:
@@ -235,6 +242,28 @@ class Controller:
         ready = [p for p in pods if _pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
         return self.autoscaler.observe(key, ready, current, scaling, now_rfc3339())
 
+    async def _engine_gc(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.engine_gc_seconds)
+            claims: dict[str, set[str]] = {}
+            for body in list(self.bodies.values()):
+                try:
+                    spec = parse_spec(body.get("spec") or {})
+                except EngineSpecError:
+                    continue
+                claims.setdefault(body["metadata"]["namespace"], set()).add(spec.storage.claim_name)
+            for ns, names in sorted(claims.items()):
+                try:
+                    plans = await asyncio.to_thread(self.janitor.run_once, ns, names, now_rfc3339())
+                except Exception as e:  # noqa: BLE001 - the next step tries again
+                    log.warning("engine cache cleanup in %s failed: %s", ns, e)
+                    continue
+                for p in plans:  # resources waiting for a cleanup to finish, or whose record changed
+                    if p.delete_records or p.delete_jobs:
+                        for key, body in list(self.bodies.items()):
+                            if body["metadata"]["namespace"] == ns:
+                                self.enqueue(key)
+
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         """Start workers and loops on the running event loop."""
@@ -247,6 +276,8 @@ class Controller:
         self._tasks.append(asyncio.create_task(self._resync(), name="kiln-resync"))
         self._tasks.append(asyncio.create_task(self._beat(), name="kiln-heartbeat"))
         self._tasks.append(asyncio.create_task(self._autoscale(), name="kiln-autoscale"))
+        if self.config.engine_gc_seconds > 0:
+            self._tasks.append(asyncio.create_task(self._engine_gc(), name="kiln-engine-gc"))
 
     async def stop(self) -> None:
         """Cancel the loops and wait for them."""
@@ -270,9 +301,13 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
 def _plain(body: Mapping[str, Any]) -> dict:
     """A plain-dict copy of a kopf body (kopf passes live views)."""
     meta = body.get("metadata") or {}
-    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-            "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation",
-                                                   "resourceVersion", "deletionTimestamp")},
+    out = {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "resourceVersion",
+                                    "deletionTimestamp", "creationTimestamp")}
+    # The router's activity annotation (scale to zero, idle.py): the only annotation the plan reads.
+    last_request = (meta.get("annotations") or {}).get(c.ANNOTATION_LAST_REQUEST)
+    if last_request is not None:
+        out["annotations"] = {c.ANNOTATION_LAST_REQUEST: last_request}
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": out,
             "spec": _copy(body.get("spec") or {}), "status": _copy(body.get("status") or {})}
 
 

@@ -122,13 +122,15 @@ def deployment_problem(dep: Mapping[str, Any] | None) -> Problem | None:
 
 # ``kiln build``'s Hub download failures (``kiln.runtime.hub.HubError``: "REASON: message" in its
 # termination message) -> the Degraded reason; any other failed build is BuildFailed.
-HUB_FAILURE_REASONS = ("ModelNotFound", "RevisionNotFound", "Unauthorized", "DownloadFailed")
-_HUB_FAILURE = re.compile(r"kiln build: (" + "|".join(HUB_FAILURE_REASONS) + r"): ")
+HUB_FAILURE_REASONS = ("ModelNotFound", "RevisionNotFound", "Unauthorized", "DownloadFailed", "UnsupportedModel")
+# an engine that failed its accuracy gate (kiln build exit 3) is AccuracyGateFailed
+_HUB_FAILURE = re.compile(r"kiln build: (" + "|".join(HUB_FAILURE_REASONS + ("AccuracyGateFailed",)) + r"): ")
 
 
 def build_failure_reason(cause: str) -> str:
     """The Degraded reason of a failed build from its cause (``failed_build_cause``): one of
-    ``HUB_FAILURE_REASONS`` when the model's download failed, else ``BuildFailed``."""
+    ``HUB_FAILURE_REASONS`` when the model's download failed, ``AccuracyGateFailed`` when the
+    engine failed its accuracy gate (with the measured numbers in the message), else ``BuildFailed``."""
     m = _HUB_FAILURE.search(cause or "")
     return m.group(1) if m else "BuildFailed"
 
@@ -147,3 +149,38 @@ def failed_build_cause(pods: Iterable[Mapping[str, Any]]) -> str:
             if best is None or key >= best[0]:
                 best = (key, _terminated_text(term))
     return best[1] if best else ""
+
+
+def job_state(job: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """``(state, reason, message)`` of a Job: state is Pending, Running, Succeeded or Failed;
+    for Failed, reason and message come from the Job's Failed condition
+    (``BackoffLimitExceeded``, ``DeadlineExceeded``...)."""
+    if not job:
+        return "Pending", "", ""
+    st = job.get("status") or {}
+    for cd in st.get("conditions") or []:
+        if cd.get("status") != "True":
+            continue
+        if cd.get("type") in ("Complete", "SuccessCriteriaMet"):
+            return "Succeeded", cd.get("reason") or "Completed", cd.get("message") or ""
+        if cd.get("type") in ("Failed", "FailureTarget"):
+            return "Failed", cd.get("reason") or "Failed", cd.get("message") or ""
+    if st.get("active"):
+        return "Running", "", ""
+    return "Pending", "", ""
+def build_report(pods: Iterable[Mapping[str, Any]]) -> dict | None:
+    """The report of a succeeded build (``kiln.common.enginecache.parse_build_report``) from
+    the termination message of its newest build container that exited 0, or None."""
+    from kiln.common.enginecache import parse_build_report  # noqa: PLC0415
+
+    best: tuple[str, dict] | None = None
+    for pod in pods:
+        for cs in _containers(pod):
+            term = (cs.get("state") or {}).get("terminated")
+            if not term or int(term.get("exitCode") or 0) != 0:
+                continue
+            report = parse_build_report(term.get("message") or "")
+            key = str(term.get("finishedAt") or "")
+            if report is not None and (best is None or key >= best[0]):
+                best = (key, report)
+    return best[1] if best else None

@@ -22,6 +22,7 @@ Obj = dict[str, Any]
 KINDS: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "PersistentVolumeClaim"): ("persistentvolumeclaims", True),
     ("v1", "ConfigMap"): ("configmaps", True),
+    ("v1", "Secret"): ("secrets", True),  # read only: the pods' API key (LoRA adapter calls)
     ("v1", "Service"): ("services", True),
     ("v1", "Event"): ("events", True),
     ("v1", "Pod"): ("pods", True),
@@ -30,6 +31,13 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
     ("coordination.k8s.io/v1", "Lease"): ("leases", True),
     (c.API_VERSION, c.KIND): (c.PLURAL, True),
+    # spec.gateway (builders_gateway) and autoscaling mode keda (builders_autoscaling): optional
+    # APIs, used only where discovery (Kube.served_kinds) finds them
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("httproutes", True),
+    ("inference.networking.k8s.io/v1", "InferencePool"): ("inferencepools", True),
+    ("keda.sh/v1alpha1", "ScaledObject"): ("scaledobjects", True),
+    ("v1", "ServiceAccount"): ("serviceaccounts", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
 }
 
 
@@ -106,10 +114,10 @@ class Kube:
         self.api.close()
 
     def request(self, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
-                content_type: str = "application/json", timeout: float = 30.0) -> Any:
-        """One HTTP request; returns the parsed JSON body (None when empty).
-        Raises ``ApiError`` on a non-2xx answer."""
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+                content_type: str = "application/json", timeout: float = 30.0, text: bool = False) -> Any:
+        """One HTTP request; returns the parsed JSON body (None when empty), or with ``text``
+        the body as text.  Raises ``ApiError`` on a non-2xx answer."""
+        headers = {"Accept": "text/plain" if text else "application/json", "Content-Type": content_type}
         data = body if (body is None or isinstance(body, (str, bytes))) else json.dumps(body)
         method_, url, hdrs, _, _ = self.api.param_serialize(
             method, path, query_params=list((query or {}).items()) or None,
@@ -126,6 +134,8 @@ class Kube:
                 st = {}
             raise ApiError(status, st.get("reason") or str(resp.reason),
                            st.get("message") or raw.decode(errors="replace")[:500], st)
+        if text:
+            return (raw or b"").decode(errors="replace")
         return json.loads(raw) if raw else None
 
     # --- reads -------------------------------------------------------------------------------
@@ -143,6 +153,27 @@ class Kube:
         """Items of a kind in a namespace (all namespaces when None)."""
         q = {"labelSelector": label_selector} if label_selector else None
         return self.request("GET", path_for(api_version, kind, namespace), query=q).get("items", [])
+
+    def log(self, namespace: str, pod: str, container: str, tail_lines: int = 20,
+            limit_bytes: int = 16384) -> str:
+        """The last ``tail_lines`` lines (at most ``limit_bytes``) of a container's log, as
+        ``kubectl logs --tail`` reads them (``pods/log``).  Raises ``ApiError`` (400 while the
+        container has not started, 404 for a pod that is gone)."""
+        return self.request("GET", path_for("v1", "Pod", namespace, pod, "log"), text=True, timeout=10.0,
+                            query={"container": container, "tailLines": str(tail_lines),
+                                   "limitBytes": str(limit_bytes)})
+
+    def served_kinds(self, api_version: str) -> frozenset[str]:
+        """The kinds the API server serves in group version ``api_version`` (discovery:
+        ``GET /apis/<group>/<version>``); empty when the group version is not served (its CRDs
+        are not installed).  Raises ``ApiError`` on other failures."""
+        try:
+            doc = self.request("GET", f"/apis/{api_version}", timeout=10.0) or {}
+        except ApiError as e:
+            if e.status in (404, 503):  # not installed, or an aggregated API that is down
+                return frozenset()
+            raise
+        return frozenset(r["kind"] for r in doc.get("resources") or [] if "/" not in r.get("name", "/"))
 
     # --- writes ------------------------------------------------------------------------------
     def apply(self, obj: Mapping[str, Any], subresource: str | None = None,

@@ -26,8 +26,10 @@ from typing import Any, Sequence
 from . import constants as c
 from .autoscaler import BuiltinAutoscaler, MetricsFetcher, http_fetcher
 from .controller import Controller, ControllerConfig
+from .enginegc import GcSettings
 from .kube import Kube, KubeConfig, connection_info
 from .leader import LeaderElector, LeaseConfig
+from .builders_gateway import EPP_ROLE
 from .reconcile import ReconcilerConfig
 
 log = logging.getLogger("kiln.operator")
@@ -50,6 +52,9 @@ class OperatorOptions:
             Lease is won so standbys stay alive.
         workers / resync_seconds / autoscale_seconds: controller loop settings.
         metrics_fetcher: how the builtin autoscaler reads a pod's metrics (tests inject one).
+        engine_gc_seconds / engine_retention_seconds / engine_cache_min_free: the engine cache
+            lifecycle (``enginegc.py``).
+        endpoint_picker_role: ``(kind, name)`` of the role endpoint pickers are bound to.
     """
 
     namespaces: list[str] = field(default_factory=list)
@@ -66,6 +71,10 @@ class OperatorOptions:
     resync_seconds: float = 60.0
     autoscale_seconds: float = 15.0
     metrics_fetcher: MetricsFetcher | None = None
+    engine_gc_seconds: float = 300.0
+    engine_retention_seconds: float = 7 * 86400.0
+    engine_cache_min_free: int = 0
+    endpoint_picker_role: tuple[str, str] = EPP_ROLE
 
 
 def parse_args(argv: Sequence[str]) -> OperatorOptions:
@@ -90,6 +99,17 @@ def parse_args(argv: Sequence[str]) -> OperatorOptions:
     p.add_argument("--workers", type=int, default=8, help="concurrent reconciles")
     p.add_argument("--resync-seconds", type=float, default=60.0, help="periodic full resync")
     p.add_argument("--autoscale-seconds", type=float, default=15.0, help="builtin autoscaler interval")
+    p.add_argument("--engine-gc-seconds", type=float, default=300.0,
+                   help="how often unused engines are looked for on the engine cache claims (0: never)")
+    p.add_argument("--engine-retention-seconds", type=float, default=7 * 86400.0,
+                   help="an engine no InferenceEngine has used for this long is deleted from its claim "
+                        "(0: kept; default: 7 days)")
+    p.add_argument("--engine-cache-min-free", type=_bytes, default=0, metavar="SIZE",
+                   help="unused engines are deleted, oldest first, while a claim has less free space "
+                        "(bytes, or 500Mi, 20Gi...; 0: never for space)")
+    p.add_argument("--endpoint-picker-role", type=_role, default=EPP_ROLE, metavar="KIND/NAME",
+                   help="the role endpoint pickers of spec.gateway.inferencePool are bound to "
+                        "(ClusterRole/NAME or Role/NAME; default ClusterRole/kiln-endpoint-picker)")
     p.add_argument("--log-level", default=os.environ.get("KILN_LOG_LEVEL", "INFO"))
     a = p.parse_args(list(argv))
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,7 +122,30 @@ def parse_args(argv: Sequence[str]) -> OperatorOptions:
         default_image=a.runtime_image, leader_election=not a.no_leader_election,
         lease_namespace=a.lease_namespace, lease_name=a.lease_name, identity=a.identity,
         liveness_endpoint=a.liveness, health_port=a.health_port, workers=a.workers, resync_seconds=a.resync_seconds,
-        autoscale_seconds=a.autoscale_seconds)
+        autoscale_seconds=a.autoscale_seconds, engine_gc_seconds=a.engine_gc_seconds,
+        engine_retention_seconds=a.engine_retention_seconds, engine_cache_min_free=a.engine_cache_min_free,
+        endpoint_picker_role=a.endpoint_picker_role)
+
+
+_UNITS = {"": 1, "k": 1000, "M": 1000 ** 2, "G": 1000 ** 3, "T": 1000 ** 4,
+          "Ki": 1024, "Mi": 1024 ** 2, "Gi": 1024 ** 3, "Ti": 1024 ** 4}
+
+
+def _role(text: str) -> tuple[str, str]:
+    """``ClusterRole/NAME`` or ``Role/NAME`` as ``(kind, name)``."""
+    kind, _, name = text.partition("/")
+    if kind not in ("ClusterRole", "Role") or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ClusterRole/NAME or Role/NAME")
+    return kind, name
+
+
+def _bytes(text: str) -> int:
+    """A size in bytes: an integer with an optional Kubernetes suffix (k, M, G, T, Ki, Mi, Gi, Ti)."""
+    num = text.rstrip("kMGTi")
+    unit = text[len(num):]
+    if not num.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 500Mi, 20Gi)")
+    return int(num) * _UNITS[unit]
 
 
 def build_registry(controller: Controller, kube: Kube):
@@ -196,10 +239,13 @@ async def operate(opts: OperatorOptions, kube: Kube, controller: Controller,
 def make_controller(opts: OperatorOptions, kube: Kube) -> Controller:
     """The controller for ``opts``."""
     return Controller(
-        kube, ReconcilerConfig(default_image=opts.default_image),
+        kube, ReconcilerConfig(default_image=opts.default_image, pods_loopback_only=not _in_cluster(opts),
+                               epp_role=opts.endpoint_picker_role),
         ControllerConfig(workers=opts.workers, resync_seconds=opts.resync_seconds,
-                         autoscale_seconds=opts.autoscale_seconds),
-        BuiltinAutoscaler(fetcher=opts.metrics_fetcher or http_fetcher(loopback_only=not _in_cluster(opts))))
+                         autoscale_seconds=opts.autoscale_seconds, engine_gc_seconds=opts.engine_gc_seconds),
+        BuiltinAutoscaler(fetcher=opts.metrics_fetcher or http_fetcher(loopback_only=not _in_cluster(opts))),
+        GcSettings(retention_seconds=opts.engine_retention_seconds, min_free_bytes=opts.engine_cache_min_free,
+                   image=opts.default_image))
 
 
 def _in_cluster(opts: OperatorOptions) -> bool:

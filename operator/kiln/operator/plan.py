@@ -28,14 +28,23 @@ The decisions, in order:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kiln.common.progress import BuildProgress
+
+from . import adapters as ad
 from . import builders as b
+from . import builders_autoscaling as ba
 from . import conditions as cond
 from . import constants as c
 from . import diagnose
-from .diagnose import Problem
+from . import idle as idl
+from .diagnose import Problem, job_state  # noqa: F401  (job_state re-exported)
+from .buildplan import ChildRef, _Build, _plan_build, _plan_draft  # noqa: F401  (ChildRef re-exported)
+from .builders_gateway import EPP_ROLE
+from .exposure import POOL, SCALED, plan_exposure  # noqa: F401  (POOL: the reconciler's)
 from .spec import InferenceEngineSpec, InvalidSpec
 
 Obj = dict[str, Any]
@@ -48,6 +57,7 @@ class ScalerWish:
 
     replicas: int | None = None
     status: Mapping[str, Any] | None = None
+    last_active: str | None = None  # RFC 3339: a scrape last saw a pod schedule requests
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,12 @@ class Peer:
     claim: str
     hash: str
     suspended: bool = False
+    draft_hash: str | None = None  # its draft engine (runtime.speculative method draft)
+
+    @property
+    def hashes(self) -> tuple[str, ...]:
+        """The engines it needs: its own and its draft's."""
+        return (self.hash,) + ((self.draft_hash,) if self.draft_hash else ())
 
 
 @dataclass(frozen=True)
@@ -80,15 +96,31 @@ class Observed:
         generation: its ``metadata.generation``.
         status: its ``status`` as last written.
         claim_exists: the engine cache claim exists.
-        record: the engine record of the spec's hash on that claim (None: not complete).
+        record: the engine record of the spec's hash on that claim (None: not complete; a
+            record the engine cache cleanup is deleting counts as none).
+        cleanup_active: an engine cache cleanup Job of the claim is pending or running (no
+            build starts meanwhile).
         jobs: the build Jobs of the engine cache claim (shared: one per engine hash).
         build_pods: the pods of the spec's build Job (read while it is not complete).
+        build_progress: the last progress line of the running build pod's log (None: none yet).
         peers: the InferenceEngines of the namespace (this one included) and the engine each
             needs: who owns a shared build Job and which builds are still wanted.
         deployment: the serving Deployment, or None.
         serving_pods: the Deployment's pods.
         wish: the builtin autoscaler's wish (mode ``builtin`` only).
+        last_request: the Kiln router's ``kiln.dev/last-request-time`` annotation (scale to zero).
+        created: the resource's ``metadata.creationTimestamp``.
         refused: children the API server refused in this reconcile's act.
+        draft_record / draft_build_pods / draft_build_progress: as ``record``, ``build_pods``
+            and ``build_progress``, for the draft engine of ``runtime.speculative`` (method
+            ``draft``; its own hash and build Job on the same claim).
+        adapter_jobs / adapter_job_pods: this resource's adapter fetch Jobs, and the pods of
+            the failed ones (their termination messages).
+        pod_adapters: the ready serving pods and the adapters each serves (LoRA on only).
+        lora_results: the pods' answers to this reconcile's load/unload calls.
+        served: the optional kinds (``exposure.OPTIONAL_KINDS``, ``(apiVersion, kind)``) that
+            discovery found served, of those the spec asks for or the status lists.
+        pool_uid: the uid of the engine's InferencePool (None: none yet).
     """
 
     owner: Mapping[str, Any]
@@ -96,23 +128,26 @@ class Observed:
     status: Mapping[str, Any] = field(default_factory=dict)
     claim_exists: bool = False
     record: Mapping[str, Any] | None = None
+    cleanup_active: bool = False
     jobs: tuple[Mapping[str, Any], ...] = ()
     build_pods: tuple[Mapping[str, Any], ...] = ()
+    build_progress: BuildProgress | None = None
     peers: tuple[Peer, ...] = ()
     deployment: Mapping[str, Any] | None = None
     serving_pods: tuple[Mapping[str, Any], ...] = ()
     wish: ScalerWish = field(default_factory=ScalerWish)
+    last_request: str | None = None
+    created: str | None = None
     refused: tuple[Refusal, ...] = ()
-
-
-@dataclass(frozen=True)
-class ChildRef:
-    """A child to delete."""
-
-    api_version: str
-    kind: str
-    namespace: str
-    name: str
+    draft_record: Mapping[str, Any] | None = None
+    draft_build_pods: tuple[Mapping[str, Any], ...] = ()
+    draft_build_progress: BuildProgress | None = None
+    adapter_jobs: tuple[Mapping[str, Any], ...] = ()
+    adapter_job_pods: tuple[Mapping[str, Any], ...] = ()
+    pod_adapters: tuple[ad.PodAdapters, ...] = ()
+    lora_results: tuple[ad.LoRAResult, ...] = ()
+    served: frozenset[tuple[str, str]] = frozenset()
+    pool_uid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +169,7 @@ class Plan:
         built: that engine is complete.
         serving_hash: the engine the Deployment runs after the apply (None without one).
         replicas: the Deployment's ``spec.replicas`` after the apply (None without one).
+        lora_ops: LoRA adapter loads and unloads to call on ready pods (after the apply).
     """
 
     apply: tuple[Obj, ...] = ()
@@ -146,36 +182,19 @@ class Plan:
     serving_hash: str | None = None
     replicas: int | None = None
     requeue_after: float | None = None
+    lora_ops: tuple[ad.LoRAOp, ...] = ()
 
     def manifest(self, kind: str) -> Obj | None:
         """The manifest of ``kind`` this plan applies, or None."""
         return next((o for o in self.apply if o["kind"] == kind), None)
 
 
-def job_state(job: Mapping[str, Any] | None) -> tuple[str, str, str]:
-    """``(state, reason, message)`` of a Job: state is Pending, Running, Succeeded or Failed;
-    for Failed, reason and message come from the Job's Failed condition
-    (``BackoffLimitExceeded``, ``DeadlineExceeded``...)."""
-    if not job:
-        return "Pending", "", ""
-    st = job.get("status") or {}
-    for cd in st.get("conditions") or []:
-        if cd.get("status") != "True":
-            continue
-        if cd.get("type") in ("Complete", "SuccessCriteriaMet"):
-            return "Succeeded", cd.get("reason") or "Completed", cd.get("message") or ""
-        if cd.get("type") in ("Failed", "FailureTarget"):
-            return "Failed", cd.get("reason") or "Failed", cd.get("message") or ""
-    if st.get("active"):
-        return "Running", "", ""
-    return "Pending", "", ""
-
-
 def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, *,
-         default_image: str = c.DEFAULT_RUNTIME_IMAGE) -> Plan:
+         default_image: str = c.DEFAULT_RUNTIME_IMAGE, epp_role: tuple[str, str] = EPP_ROLE) -> Plan:
     """The plan that closes the gap between ``spec`` and ``observed``.  ``now`` (RFC 3339)
     stamps condition transitions and a record whose Job has no completion time;
-    ``default_image`` is the runtime image when ``spec.image`` is empty."""
+    ``default_image`` is the runtime image when ``spec.image`` is empty; ``epp_role`` the role
+    an endpoint picker is bound to (``spec.gateway.inferencePool``)."""
     if isinstance(spec, InvalidSpec):
         return _plan_invalid(spec, observed, now)
     owner, h = observed.owner, spec.engine_hash
@@ -186,29 +205,44 @@ def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, 
             apply.append(b.cache_claim(spec, owner))
         else:
             degraded = Problem("ClaimNotFound", f"engine cache claim {spec.storage.claim_name} does not exist")
-    build = _plan_build(spec, observed, h, degraded, now, default_image)
+    build = _plan_build(spec, observed, h, degraded, now, default_image, spec.engine_hashes)
     apply += build.apply
-    degraded = degraded or build.degraded
+    draft = _plan_draft(spec, observed, degraded, now, default_image)
+    if draft is not None:
+        apply += draft.apply
+    degraded = degraded or build.degraded or (draft.degraded if draft is not None else None)
+    built = build.built and (draft is None or draft.built)  # the pods need both engines
 
     dep = observed.deployment
     serving = _engine_hash_of(dep)
-    target = h if build.built else (serving if spec.suspend and dep is not None else None)
+    target = h if built else (serving if spec.suspend and dep is not None else None)
+    lora = ad.plan_adapters(spec, owner, observed.adapter_jobs, observed.adapter_job_pods, observed.pod_adapters,
+                            observed.lora_results, build.built, h, default_image)
+    apply += lora.apply  # the adapter list before the Deployment: its pods mount it
     desired = None
+    idle = _idle(spec, observed, now)
     if target is not None:
-        desired = b.deployment(spec, target, owner, replicas=_replicas(spec, observed),
+        desired = b.deployment(spec, target, owner, replicas=_replicas(spec, observed, idle),
                                default_image=default_image)
         apply.append(desired)
         serving = target
     apply.append(b.service(spec, owner))
+    exposure = plan_exposure(spec, owner, observed.status, observed.served, desired is not None or dep is not None,
+                             observed.pool_uid, epp_role)
+    apply += exposure.apply  # spec.gateway and the ScaledObject: after the Deployment and Service
     after = _deployment_after(dep, desired)
-    delete = list(build.delete)
+    delete = list(dict.fromkeys(list(build.delete) + list(draft.delete if draft else ())))
+    delete += [ChildRef("batch/v1", "Job", owner["namespace"], n) for n in lora.delete]
+    delete += [ChildRef(av, kind, owner["namespace"], n) for av, kind, n in exposure.delete]
     if after is not None:  # exactly one owner of replicas
         if spec.autoscaling.mode == "hpa" and not spec.suspend:
-            apply.append(b.hpa(spec, owner))
+            apply.append(ba.hpa(spec, owner))
         else:
             delete.append(ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", owner["namespace"],
                                    b.deployment_name(owner)))
     recheck = build.recheck
+    if idle is not None and idle.active and after is not None:  # scale to zero when the window ends
+        recheck = _sooner(recheck, idle.seconds_left)
     if observed.refused:  # the API server's word beats anything planned from what it refused
         r = observed.refused[0]
         degraded = Problem(f"{r.kind}Rejected", f"{r.kind} {r.name} was refused by the API server: "
@@ -218,12 +252,19 @@ def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, 
         if degraded is None:
             degraded, wait = diagnose.pods_problem(observed.serving_pods, now)
             recheck = _sooner(recheck, wait)
+        if degraded is None:  # the base serves: an adapter's failure is what is wrong
+            degraded = lora.problem
+        recheck = _sooner(recheck, lora.recheck)
 
-    status, phase = _status(spec, observed, build, degraded, after, serving, now)
-    return Plan(apply=tuple(apply), delete=tuple(delete), owners=build.owners, status=status, phase=phase, hash=h,
-                built=build.built, serving_hash=serving,
+    status, phase = _status(spec, observed, build, degraded, after, serving, now, draft, exposure.conditions, idle)
+    status.update(exposure.status)
+    if lora.status is not None:
+        status["adapters"], status["pods"] = lora.status, lora.pods
+    return Plan(apply=tuple(apply), delete=tuple(delete), owners=build.owners + (draft.owners if draft else ()),
+                status=status, phase=phase, hash=h, built=built, serving_hash=serving,
                 replicas=None if after is None else int(after["spec"].get("replicas") or 0),
-                requeue_after=None if degraded is not None else recheck)
+                requeue_after=None if degraded is not None else recheck,
+                lora_ops=lora.ops if after is not None and not spec.suspend else ())
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:
@@ -246,91 +287,6 @@ def _plan_invalid(spec: InvalidSpec, observed: Observed, now: str) -> Plan:
     return Plan(status=status, phase=c.PHASE_DEGRADED)
 
 
-@dataclass(frozen=True)
-class _Build:
-    """The build's part of a plan."""
-
-    built: bool  # the spec's engine is complete (or becomes so with this plan's record)
-    state: str  # the build Job's state (job_state)
-    status: Obj  # status.build
-    degraded: Problem | None
-    apply: tuple[Obj, ...] = ()
-    delete: tuple[ChildRef, ...] = ()
-    owners: tuple[tuple[ChildRef, tuple[Obj, ...]], ...] = ()
-    recheck: float | None = None
-
-
-def _job_hash(job: Mapping[str, Any]) -> str:
-    return ((job.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ENGINE_HASH, "")
-
-
-def _plan_build(spec: InferenceEngineSpec, observed: Observed, h: str, degraded: Problem | None,
-                now: str, default_image: str) -> _Build:
-    """Step 2: the engine record and the shared build Job of engine ``h`` on the claim.
-
-    One Job per (claim, engine hash), owned by every resource that needs it; a resource stops
-    a running build only when no resource of the namespace needs that engine any more, so no
-    resource deletes another's Job."""
-    owner, claim = observed.owner, spec.storage.claim_name
-    jname = b.job_name(claim, h)
-    job = next((j for j in observed.jobs if j["metadata"]["name"] == jname), None)
-    wanted = {p.hash for p in observed.peers if p.claim == claim and not p.suspended}
-    if not spec.suspend:
-        wanted.add(h)
-    delete = [ChildRef("batch/v1", "Job", owner["namespace"], other["metadata"]["name"]) for other in observed.jobs
-              if other is not job and _job_hash(other) not in wanted
-              and job_state(other)[0] in ("Pending", "Running") and not other["metadata"].get("deletionTimestamp")]
-    # who owns the Job: every resource that needs engine h on this claim
-    needers = {p.owner["uid"]: p.owner for p in observed.peers
-               if p.claim == claim and p.hash == h and not p.suspended}
-    if not spec.suspend:
-        needers[owner["uid"]] = owner
-    owners: tuple[tuple[ChildRef, tuple[Obj, ...]], ...] = ()
-    if job is not None and needers and not job["metadata"].get("deletionTimestamp"):
-        refs = b.build_owner_refs(list(needers.values()))
-        have = sorted(r.get("uid", "") for r in job["metadata"].get("ownerReferences") or [])
-        if have != sorted(needers):
-            owners = ((ChildRef("batch/v1", "Job", owner["namespace"], jname), tuple(refs)),)
-    state, reason, message = job_state(job)
-    st: Obj = {"jobName": jname}
-    if job:
-        js = job.get("status") or {}
-        for key in ("startTime", "completionTime"):
-            if js.get(key):
-                st[key] = js[key]
-        if js.get("failed"):
-            st["failedAttempts"] = int(js["failed"])
-    if observed.record is not None:
-        if not job:
-            st = {"state": "Cached", "jobName": (observed.record.get("data") or {}).get("builtBy", "")}
-        else:
-            st["state"] = "Succeeded" if state == "Succeeded" else "Cached"
-        return _Build(True, state, st, None, delete=tuple(delete), owners=owners)
-    if state == "Succeeded":
-        st["state"] = "Succeeded"
-        record = b.engine_record(spec, h, owner, jname, (job.get("status") or {}).get("completionTime") or now)
-        return _Build(True, state, st, None, apply=(record,), delete=tuple(delete), owners=owners)
-    if state == "Failed":
-        cause = diagnose.failed_build_cause(observed.build_pods)
-        st["state"] = "Failed"
-        st["message"] = "; ".join(x for x in (f"{reason}: {message}".strip(": "), cause) if x)
-        failed = Problem(diagnose.build_failure_reason(cause), f"build Job {jname} failed: {st['message']}")
-        return _Build(False, state, st, failed, delete=tuple(delete), owners=owners)
-    if spec.suspend:
-        if job and not job["metadata"].get("deletionTimestamp") and not needers:
-            delete.append(ChildRef("batch/v1", "Job", owner["namespace"], jname))
-        return _Build(False, state, {"state": "Pending", "jobName": jname, "message": "suspended"}, None,
-                      delete=tuple(delete), owners=owners)
-    st["state"] = state
-    st["message"] = f"building engine {h} with {spec.engine.quantization}"
-    problem, recheck = diagnose.pods_problem(observed.build_pods, now) if job else (None, None)
-    if problem is not None:
-        problem = Problem(f"Build{problem.reason}", f"build Job {jname}: {problem.message}")
-        st["message"] = problem.message
-    apply = (b.build_job(spec, h, list(needers.values()), default_image),) if job is None and degraded is None else ()
-    return _Build(False, state, st, problem, apply=apply, delete=tuple(delete), owners=owners, recheck=recheck)
-
-
 def _engine_hash_of(dep: Mapping[str, Any] | None) -> str | None:
     """The engine hash a Deployment's pods run (its pod-template label)."""
     if dep is None:
@@ -338,18 +294,31 @@ def _engine_hash_of(dep: Mapping[str, Any] | None) -> str | None:
     return (dep["spec"]["template"]["metadata"].get("labels") or {}).get(c.LABEL_ENGINE_HASH)
 
 
-def _replicas(spec: InferenceEngineSpec, observed: Observed) -> int | None:
-    """The Deployment's ``spec.replicas``; None leaves them to the HPA."""
+def _idle(spec: InferenceEngineSpec, observed: Observed, now: str) -> idl.IdleState | None:
+    """Where an engine that scales to zero stands (None for one that does not): ``idle.py``."""
+    if not spec.autoscaling.scales_to_zero or spec.suspend:
+        return None
+    return idl.engine_idle(spec.autoscaling, (observed.last_request, observed.wish.last_active, observed.created),
+                           observed.serving_pods, observed.deployment, now)
+
+
+def _replicas(spec: InferenceEngineSpec, observed: Observed, idle: idl.IdleState | None = None) -> int | None:
+    """The Deployment's ``spec.replicas``; None leaves them to the HPA.  An engine that
+    scales to zero has 0 when idle, at least 1 otherwise."""
     if spec.suspend:
         return 0
     scaling = spec.autoscaling
     if scaling.mode == "hpa":
         return None
+    if scaling.mode == "keda":  # KEDA's HPA owns them; without KEDA the engine serves minReplicas
+        return None if SCALED in observed.served else scaling.min_replicas
     if scaling.mode == "builtin":
         want = observed.wish.replicas
         if want is None:
             current = ((observed.deployment or {}).get("spec") or {}).get("replicas")
             want = int(current) if current else scaling.min_replicas
+        if idle is not None:
+            return 0 if not idle.active else max(1, min(scaling.max_replicas, want))
         return max(scaling.min_replicas, min(scaling.max_replicas, want))
     return spec.replicas
 
@@ -372,14 +341,16 @@ def _deployment_after(dep: Mapping[str, Any] | None, desired: Obj | None) -> Obj
 
 
 def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: Problem | None,
-                after: Obj | None, h: str) -> tuple[list[cond.Condition], str]:
-    """The four conditions and the phase."""
+                after: Obj | None, h: str, idle: idl.IdleState | None = None) -> tuple[list[cond.Condition], str]:
+    """The four conditions and the phase.  An engine scaled to zero while idle is
+    available (the router holds its requests while it scales up) and Ready once at zero."""
     ds = (after or {}).get("status") or {}
     want = int(((after or {}).get("spec") or {}).get("replicas") or 0)
     ready = int(ds.get("readyReplicas") or 0)
     rolled = after is not None and int(ds.get("observedGeneration") or 0) >= int(after["metadata"].get("generation") or 0) \
         and int(ds.get("updatedReplicas") or 0) == want and int(ds.get("replicas") or 0) == want and ready == want
     suspended, built = spec.suspend, build.built
+    zero = idle is not None and not idle.active and built and after is not None and want == 0
     if built:
         engine = cond.Condition(c.COND_ENGINE_BUILT, "True",
                                 "BuildSucceeded" if build.status.get("state") == "Succeeded" else "EngineCached",
@@ -395,6 +366,10 @@ def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: Problem | No
         available = cond.Condition(c.COND_AVAILABLE, "False", "Suspended", "scaled to zero")
     elif ready > 0:
         available = cond.Condition(c.COND_AVAILABLE, "True", "MinimumReplicasAvailable", f"{ready}/{want} replicas ready")
+    elif zero:
+        available = cond.Condition(c.COND_AVAILABLE, "True", "ScaledToZero",
+                                   f"idle since {idle.last_used}: scaled to zero; a request through the Kiln "
+                                   "router scales it up")
     elif after is not None:
         available = cond.Condition(c.COND_AVAILABLE, "False", "NoReadyReplicas", "no serving replica is ready")
     else:
@@ -416,30 +391,65 @@ def _conditions(spec: InferenceEngineSpec, build: _Build, degraded: Problem | No
         phase = c.PHASE_DEGRADED
     elif not built:
         phase = c.PHASE_BUILDING
-    elif ready > 0 and rolled:
+    elif (ready > 0 or zero) and rolled:
         phase = c.PHASE_READY
     else:
         phase = c.PHASE_DEPLOYING
     return [engine, available, progressing, degraded_cond], phase
 
 
+def _engine_status(h: str, record: Mapping[str, Any]) -> Obj:
+    """``status.engine``: the engine's hash, size on disk and accuracy (from its record)."""
+    data = record.get("data") or {}
+    out: Obj = {"hash": h}
+    if str(data.get("sizeBytes") or "").isdigit():
+        out["sizeBytes"] = int(data["sizeBytes"])
+    if data.get("accuracy"):
+        try:
+            out["accuracy"] = json.loads(data["accuracy"])
+        except ValueError:
+            pass
+    return out
+
+
+def _draft_status(h: str, draft: _Build) -> Obj:
+    """``status.engine.draft``: the draft engine's hash, its build's state and its size."""
+    out: Obj = {"hash": h, "state": draft.status.get("state", draft.state), "jobName": draft.status.get("jobName", "")}
+    if draft.status.get("message"):
+        out["message"] = draft.status["message"]
+    if draft.record is not None:
+        out.update({k: v for k, v in _engine_status(h, draft.record).items() if k == "sizeBytes"})
+    return out
+
+
 def _status(spec: InferenceEngineSpec, observed: Observed, build: _Build, degraded: Problem | None,
-            after: Obj | None, serving: str | None, now: str) -> tuple[Obj, str]:
-    """Step 5: the status to write, and its phase."""
+            after: Obj | None, serving: str | None, now: str, draft: _Build | None = None,
+            extra: tuple[cond.Condition, ...] = (), idle: idl.IdleState | None = None) -> tuple[Obj, str]:
+    """Step 5: the status to write, and its phase (``draft``: the draft engine's build;
+    ``extra``: conditions of the exposure step; ``idle``: scale to zero's state)."""
     h = spec.engine_hash
     status = _base_status(observed, spec.model.text)
     status["engineHash"] = h
     status["build"] = build.status
+    if build.record is not None:
+        status["engine"] = _engine_status(h, build.record)
+    gate, gate_hash = build, h  # the build the conditions speak of: the target's, then the draft's
+    if draft is not None:
+        status.setdefault("engine", {})["draft"] = _draft_status(spec.draft_hash, draft)
+        if build.built:
+            gate, gate_hash = draft, spec.draft_hash
     if serving:
         status["servingEngineHash"] = serving
     if spec.autoscaling.mode == "builtin" and not spec.suspend and observed.wish.status:
         status["autoscaler"] = dict(observed.wish.status)
+    if idle is not None and idle.last_used is not None:
+        status.setdefault("autoscaler", {})["lastActivityTime"] = idle.last_used
     ds = (after or {}).get("status") or {}
     status["replicas"] = int(ds.get("replicas") or 0)
     status["readyReplicas"] = int(ds.get("readyReplicas") or 0)
     status["ready"] = f"{status['readyReplicas']}/{int(((after or {}).get('spec') or {}).get('replicas') or 0)}"
-    conditions, phase = _conditions(spec, build, degraded, after, h)
+    conditions, phase = _conditions(spec, gate, degraded, after, gate_hash, idle)
     status["phase"] = phase
-    status["conditions"] = cond.merge_conditions(observed.status.get("conditions"), conditions,
+    status["conditions"] = cond.merge_conditions(observed.status.get("conditions"), conditions + list(extra),
                                                  observed.generation, now)
     return status, phase

@@ -17,14 +17,18 @@ from typing import Any, Mapping
 
 from kiln.common.enginespec import BuildSpec, EngineSpecError
 
+from .autoscaling_spec import AUTOSCALING_MODES, AutoscalingSpec, parse_autoscaling  # noqa: F401
+from .gateway_spec import GatewaySpec, parse_gateway
+from .adapter_spec import AdapterSpec, LoRASpec, parse_adapters, parse_lora
+from .podspec import EnvVar, PodOverrides, parse_env, parse_pod
+from .specfields import _bool, _int, _list, _number, _quantities, _section, _str
+from .speculative import SpeculativeSpec, parse_speculative
+
 __all__ = [
     "EngineSpecError", "SecretKeyRef", "ModelSpec", "ComputeResources", "BuildJobSpec", "EnvVar",
     "RuntimeSpec", "ResourcesSpec", "AutoscalingSpec", "StorageSpec", "RolloutSpec",
-    "InferenceEngineSpec", "InvalidSpec", "parse_spec", "as_spec", "source_text",
+    "InferenceEngineSpec", "InvalidSpec", "parse_spec", "as_spec", "source_text", "AdapterSpec", "LoRASpec",
 ]
-
-AUTOSCALING_MODES = ("off", "hpa", "builtin")
-
 
 @dataclass(frozen=True)
 class SecretKeyRef:
@@ -89,14 +93,8 @@ class BuildJobSpec:
     active_deadline_seconds: int = 7200
     resources: ComputeResources = field(default_factory=ComputeResources)
     scratch_size: str = "64Gi"  # the download folder (/tmp): ephemeral-storage request and size limit
-
-
-@dataclass(frozen=True)
-class EnvVar:
-    """One plain environment variable of the serving container."""
-
-    name: str
-    value: str = ""
+    # build.accuracyGate: (maxPerplexityIncrease | None, minGreedyAgreement | None, numPrompts) or None
+    accuracy_gate: tuple[float | None, float | None, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,8 +112,11 @@ class RuntimeSpec:
     compile_cache: bool = True  # keep Triton's kernel cache on the engine cache claim
     extra_args: tuple[str, ...] = ()
     env: tuple[EnvVar, ...] = ()
+    env_from: tuple[Mapping[str, Any], ...] = ()  # Pod envFrom entries (configMapRef / secretRef, prefix)
     api_key: SecretKeyRef | None = None  # a Secret key served as KILN_API_KEY (kiln serve's API key)
     shm_size: str = "2Gi"  # size limit of /dev/shm (memory-backed)
+    lora: LoRASpec = field(default_factory=LoRASpec)  # LoRA serving's start flags (adapter_spec)
+    speculative: SpeculativeSpec | None = None  # runtime.speculative (speculative.py); None: off
 
 
 @dataclass(frozen=True)
@@ -135,26 +136,6 @@ class ResourcesSpec:
     compute: ComputeResources = field(default_factory=ComputeResources)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class AutoscalingSpec:
-    """``spec.autoscaling``: who owns the Deployment's replicas and on what signal.
-
-    Fields:
-        mode: ``off`` (``spec.replicas``), ``hpa`` (an autoscaling/v2 HPA) or ``builtin`` (the
-            operator scrapes the pods itself).
-        min_replicas / max_replicas: bounds when autoscaling (max defaults to max(4, min)).
-        target_queue_time_seconds: target mean request queue time per pod.
-        scale_up_stabilization_seconds / scale_down_stabilization_seconds: windows.
-    """
-
-    mode: str = "off"
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_time_seconds: float = 0.5
-    scale_up_stabilization_seconds: int = 0
-    scale_down_stabilization_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -194,7 +175,10 @@ class InferenceEngineSpec:
         replicas: serving pods when autoscaling is off.
         image: the runtime image; empty means the operator's default.
         image_pull_policy: pull policy of the runtime image.
+        pod: pod-spec overrides (affinity, topology spread, classes, pull secrets, metadata).
         suspend: serving scaled to zero and builds stopped.
+        adapters: the LoRA adapters served beside the base (not part of the engine hash).
+        gateway: exposure through the Gateway API (HTTPRoute, InferencePool).
     """
 
     engine: BuildSpec
@@ -209,11 +193,25 @@ class InferenceEngineSpec:
     image: str = ""
     image_pull_policy: str = "IfNotPresent"
     suspend: bool = False
+    adapters: tuple[AdapterSpec, ...] = ()
+    pod: PodOverrides = field(default_factory=PodOverrides)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)  # spec.gateway (gateway_spec)
 
     @property
     def engine_hash(self) -> str:
         """The engine hash (content address of ``engine``)."""
         return self.engine.hash()
+
+    @property
+    def draft_hash(self) -> str | None:
+        """The draft engine's hash (``runtime.speculative`` method ``draft``), else None."""
+        sp = self.runtime.speculative
+        return sp.draft_hash if sp is not None else None
+
+    @property
+    def engine_hashes(self) -> tuple[str, ...]:
+        """Every engine the spec serves from: its own, then the draft's when it has one."""
+        return (self.engine_hash,) + ((self.draft_hash,) if self.draft_hash else ())
 
     @property
     def keeps_compile_cache(self) -> bool:
@@ -232,68 +230,6 @@ class InvalidSpec:
 
     message: str
     model: str = ""
-
-
-# --- field readers: ``path`` names the field in errors ------------------------------------
-
-def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
-    v = raw.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, Mapping):
-        raise EngineSpecError(f"{path}: expected an object, got {type(v).__name__}")
-    return v
-
-
-def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None) -> int | None:
-    v = raw.get(key)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise EngineSpecError(f"{path}: expected an integer, got {v!r}")
-    return v
-
-
-def _number(raw: Mapping[str, Any], key: str, path: str, default: float) -> float:
-    v = raw.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise EngineSpecError(f"{path}: expected a number, got {v!r}")
-    return v
-
-
-def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
-    v = raw.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise EngineSpecError(f"{path}: expected true or false, got {v!r}")
-    return v
-
-
-def _str(raw: Mapping[str, Any], key: str, path: str, default: str | None) -> str | None:
-    v = raw.get(key)
-    if v is None or v == "":
-        return default
-    if not isinstance(v, str):
-        raise EngineSpecError(f"{path}: expected a string, got {v!r}")
-    return v
-
-
-def _list(raw: Mapping[str, Any], key: str, path: str) -> list[Any]:
-    v = raw.get(key)
-    if v is None:
-        return []
-    if not isinstance(v, (list, tuple)):
-        raise EngineSpecError(f"{path}: expected a list, got {type(v).__name__}")
-    return list(v)
-
-
-def _quantities(raw: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
-    return {str(k): str(v) for k, v in _section(raw, key, path).items()}
 
 
 def _compute(raw: Mapping[str, Any], path: str) -> ComputeResources:
@@ -358,13 +294,9 @@ def _model(raw: Mapping[str, Any]) -> ModelSpec:
 BUILTIN_HEADS = {"smollm2-135m-instruct": (9, 3)}
 
 
-def _runtime(raw: Mapping[str, Any], engine: BuildSpec) -> RuntimeSpec:
+def _runtime(raw: Mapping[str, Any], engine: BuildSpec, num_adapters: int = 0) -> RuntimeSpec:
     rt = _section(raw, "runtime", "runtime")
-    env = []
-    for i, e in enumerate(_list(rt, "env", "runtime.env")):
-        if not isinstance(e, Mapping) or not e.get("name"):
-            raise EngineSpecError(f"runtime.env[{i}]: expected an object with a name")
-        env.append(EnvVar(str(e["name"]), str(e.get("value", ""))))
+    env, env_from = parse_env(rt)
     out = RuntimeSpec(
         max_num_seqs=_int(rt, "maxNumSeqs", "runtime.maxNumSeqs", None),
         max_num_batched_tokens=_int(rt, "maxNumBatchedTokens", "runtime.maxNumBatchedTokens", None),
@@ -375,9 +307,12 @@ def _runtime(raw: Mapping[str, Any], engine: BuildSpec) -> RuntimeSpec:
         tensor_parallel_size=_int(rt, "tensorParallelSize", "runtime.tensorParallelSize", 1),
         compile_cache=_bool(rt, "compileCache", "runtime.compileCache", True),
         extra_args=tuple(str(a) for a in _list(rt, "extraArgs", "runtime.extraArgs")),
-        env=tuple(env),
+        env=tuple(env), env_from=tuple(dict(e) for e in env_from),
         api_key=_secret_ref(rt, "apiKeySecretRef", "runtime.apiKeySecretRef", None),
-        shm_size=str(rt.get("shmSize") or "2Gi"))
+        shm_size=str(rt.get("shmSize") or "2Gi"),
+        lora=parse_lora(rt, num_adapters),
+        speculative=parse_speculative(rt, raw, engine, _int(rt, "tensorParallelSize", "runtime.tensorParallelSize", 1),
+                                      _model))
     if out.api_key is not None and any(e.name == "KILN_API_KEY" for e in out.env):
         raise EngineSpecError("runtime.env: KILN_API_KEY is set by runtime.apiKeySecretRef; set one of them")
     heads = BUILTIN_HEADS.get(engine.source.name or "") if engine.source.kind == "builtin" else None
@@ -412,22 +347,6 @@ def _resources(raw: Mapping[str, Any]) -> ResourcesSpec:
         tolerations=tuple(tolerations))
 
 
-def _autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
-    a = _section(raw, "autoscaling", "autoscaling")
-    mode = _str(a, "mode", "autoscaling.mode", "off")
-    if mode not in AUTOSCALING_MODES:
-        raise EngineSpecError(f"autoscaling.mode: {mode!r} is not one of {', '.join(AUTOSCALING_MODES)}")
-    low = _int(a, "minReplicas", "autoscaling.minReplicas", 1)
-    return AutoscalingSpec(
-        mode=mode, min_replicas=low,
-        max_replicas=_int(a, "maxReplicas", "autoscaling.maxReplicas", max(4, low)),
-        target_queue_time_seconds=float(_number(a, "targetQueueTimeSeconds", "autoscaling.targetQueueTimeSeconds", 0.5)),
-        scale_up_stabilization_seconds=_int(a, "scaleUpStabilizationSeconds",
-                                            "autoscaling.scaleUpStabilizationSeconds", 0),
-        scale_down_stabilization_seconds=_int(a, "scaleDownStabilizationSeconds",
-                                              "autoscaling.scaleDownStabilizationSeconds", 300))
-
-
 def _storage(raw: Mapping[str, Any]) -> StorageSpec:
     s = _section(raw, "storage", "storage")
     size = s.get("size")
@@ -447,18 +366,22 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
     engine = BuildSpec.from_dict(raw)
     build = _section(raw, "build", "build")
     rollout = _section(raw, "rollout", "rollout")
+    model = _model(raw)
+    adapters = parse_adapters(raw, model.served_model_name)
     return InferenceEngineSpec(
         engine=engine,
-        model=_model(raw),
+        model=model,
+        adapters=adapters,
         build=BuildJobSpec(
             backoff_limit=_int(build, "backoffLimit", "build.backoffLimit", 1),
             active_deadline_seconds=_int(build, "activeDeadlineSeconds", "build.activeDeadlineSeconds", 7200),
             resources=_compute(_section(build, "resources", "build.resources"), "build.resources"),
-            scratch_size=str(build.get("scratchSize") or "64Gi")),
-        runtime=_runtime(raw, engine),
+            scratch_size=str(build.get("scratchSize") or "64Gi"),
+            accuracy_gate=_gate(_section(build, "accuracyGate", "build.accuracyGate"))),
+        runtime=_runtime(raw, engine, len(adapters)),
         resources=_resources(raw),
         replicas=_int(raw, "replicas", "replicas", 1),
-        autoscaling=_autoscaling(raw),
+        autoscaling=parse_autoscaling(raw),
         storage=_storage(raw),
         rollout=RolloutSpec(
             max_surge=_int(rollout, "maxSurge", "rollout.maxSurge", 1),
@@ -466,7 +389,21 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
             startup_timeout_seconds=_int(rollout, "startupTimeoutSeconds", "rollout.startupTimeoutSeconds", 1800)),
         image=_str(raw, "image", "image", ""),
         image_pull_policy=_str(raw, "imagePullPolicy", "imagePullPolicy", "IfNotPresent"),
-        suspend=_bool(raw, "suspend", "suspend", False))
+        suspend=_bool(raw, "suspend", "suspend", False),
+        pod=parse_pod(raw),
+        gateway=parse_gateway(raw))
+
+
+def _gate(g: Mapping[str, Any]) -> tuple[float | None, float | None, int] | None:
+    """``build.accuracyGate``, or None when it sets no bound."""
+    ppl = g.get("maxPerplexityIncrease")
+    agree = g.get("minGreedyAgreement")
+    for key, v in (("maxPerplexityIncrease", ppl), ("minGreedyAgreement", agree)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise EngineSpecError(f"build.accuracyGate.{key}: expected a number, got {v!r}")
+    if ppl is None and agree is None:
+        return None
+    return (ppl, agree, _int(g, "numPrompts", "build.accuracyGate.numPrompts", 8))
 
 
 def as_spec(spec: InferenceEngineSpec | Mapping[str, Any]) -> InferenceEngineSpec:

@@ -32,6 +32,11 @@ def run_kiln_offline(llm, wl: Workload) -> dict:
     # Warm up (kernels, allocator) outside the timed region.
     llm.generate([wl.prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
     _sync(llm)
+    spec = llm.engine.core.spec
+    if spec is not None:  # count the timed run only
+        from .spec_decode.stats import SpecDecodeStats  # noqa: PLC0415
+
+        spec.stats = SpecDecodeStats()
     steps0, pre0 = llm.engine.num_steps, llm.engine.scheduler.num_preemptions_total
     t0 = time.perf_counter()
     t0m = time.monotonic()
@@ -48,7 +53,16 @@ def run_kiln_offline(llm, wl: Workload) -> dict:
     return {"engine": "kiln", "wall_s": wall, "output_tokens": n_out, "output_tok_s": n_out / wall,
             "requests_s": len(outs) / wall, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99), "steps": llm.engine.num_steps - steps0,
-            "preemptions": llm.engine.scheduler.num_preemptions_total - pre0}
+            "preemptions": llm.engine.scheduler.num_preemptions_total - pre0,
+            **(spec_summary(llm) if spec is not None else {})}
+
+
+def spec_summary(llm) -> dict:
+    """Speculative decoding's counts of the engine (``SpecDecodeStats.as_dict``) with its
+    method and draft length."""
+    spec = llm.engine.core.spec
+    return {"spec_method": spec.config.method, "spec_k": spec.config.num_speculative_tokens,
+            "spec_max_batch_size": spec.config.max_batch_size, **spec.stats.as_dict()}
 
 
 def _sync(llm) -> None:
@@ -137,7 +151,7 @@ def cmd_offline(ns: argparse.Namespace) -> int:
         check_writable(ns.json)
     args = replace(engine_args_from(ns), quantization=ns.quantization)  # ValueError: not with a real model
     llm = LLM(**{k: v for k, v in vars(args).items()})
-    wl = workload_from_flags(ns, llm.engine.model_config.vocab_size)
+    wl = workload_from_flags(ns, llm.engine.model_config.vocab_size, llm.tokenizer)
     runner = llm.engine.runner
     quant = f", {ns.quantization} weights (round to nearest)" if ns.quantization != "none" else ""
     print(f"[bench] model {llm.engine.model_ref} on {runner.device}/{runner.dtype}{quant}; "
@@ -154,6 +168,12 @@ def cmd_offline(ns: argparse.Namespace) -> int:
         print(json.dumps(json_safe(results[-1])), flush=True)
         results.append({"ratio_kiln_over_peer": results[0]["output_tok_s"] / results[1]["output_tok_s"]})
     _print_table(results)
+    if "spec_method" in results[0]:
+        r = results[0]
+        per_pos = " ".join(f"{x:.2f}" for x in r["spec_acceptance_per_position"])
+        print(f"speculative {r['spec_method']} k={r['spec_k']} (off above {r['spec_max_batch_size']} sequences): "
+              f"acceptance {r['spec_acceptance_rate']:.3f}, mean accepted length {r['spec_mean_accepted_length']:.2f} "
+              f"tokens, per position [{per_pos}], {r['spec_draft_tokens']} drafts proposed")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(ns).items() if k not in ("func", "workload_defaults")},

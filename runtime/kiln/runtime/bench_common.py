@@ -74,9 +74,58 @@ def make_lognormal_workload(num_prompts: int, mean_input_len: float, mean_output
     return Workload([[rng.randrange(low_id, vocab_size) for _ in range(n)] for n in ins], outs)
 
 
-def workload_from_flags(ns: argparse.Namespace, vocab_size: int) -> Workload:
+# The copy workload's passages (held-out texts shipped with the runtime) and its instruction.
+COPY_SOURCES = ("prose.txt", "code.txt", "markdown.txt")
+COPY_INSTRUCTION = "Repeat the following text exactly, word for word.\n\n"
+COPY_PRIMED_WORDS = 8  # words of the passage that open the answer
+
+
+def make_copy_workload(tokenizer, num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> Workload:
+    """A copy-heavy workload (editing, summarising and quoting repeat their prompt): each
+    prompt asks to repeat a passage of about ``input_len`` tokens from the shipped held-out
+    prose, code and markdown (``kiln/runtime/data/heldout``), through the tokenizer's chat
+    template when it has one, and the answer already holds the passage's first
+    ``COPY_PRIMED_WORDS`` words; ``output_len`` tokens each.  Prompt lookup (n-gram) speculation
+    is measured on this.
+
+    Raises:
+        ValueError: without a tokenizer (token-id-only models).
+    """
+    from pathlib import Path  # noqa: PLC0415
+
+    if tokenizer is None:
+        raise ValueError("--dataset copy needs the model's tokenizer; this model has none")
+    root = Path(__file__).parent / "data" / "heldout"
+    paras = [p.strip() for name in COPY_SOURCES for p in (root / name).read_text().split("\n\n") if p.strip()]
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        start = rng.randrange(len(paras))
+        text, n = [], 0
+        for p in paras[start:] + paras[:start]:
+            text.append(p)
+            n += len(tokenizer.encode(p))
+            if n >= input_len:
+                break
+        passage = "\n\n".join(text)
+        msg = COPY_INSTRUCTION + passage
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = list(tokenizer.encode(msg + "\n\n"))
+        # the answer has begun: its first words are the passage's (an editor's reply in progress)
+        prompts.append(ids + list(tokenizer.encode(" ".join(passage.split(" ")[:COPY_PRIMED_WORDS]))))
+    return Workload(prompts, [output_len] * num_prompts)
+
+
+def workload_from_flags(ns: argparse.Namespace, vocab_size: int, tokenizer=None) -> Workload:
     """The workload of ``--dataset`` (after ``check_workload_flags``): ``random`` lengths
-    around ``--input-len/--output-len`` (``--range-ratio``), or ``lognormal`` with those means."""
+    around ``--input-len/--output-len`` (``--range-ratio``), ``lognormal`` with those means,
+    or ``copy`` (``make_copy_workload``; needs ``tokenizer``)."""
+    if ns.dataset == "copy":
+        return make_copy_workload(tokenizer, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
     if ns.dataset == "lognormal":
         return make_lognormal_workload(ns.num_prompts, ns.input_len, ns.output_len, vocab_size, ns.seed)
     return make_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab_size, ns.seed)
@@ -145,10 +194,11 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: tuple[int, int, floa
     output lengths (tokens) and range ratio."""
     il, ol, rr = defaults
     p.add_argument("--num-prompts", type=positive_int, default=64, help="requests per run (default: %(default)s)")
-    p.add_argument("--dataset", choices=["random", "lognormal"], default="random",
+    p.add_argument("--dataset", choices=["random", "lognormal", "copy"], default="random",
                    help="random: lengths uniform around --input-len/--output-len (--range-ratio); lognormal: "
                         "a heavy-tailed chat-like mix with those means (default: ShareGPT's, "
-                        f"{SHAREGPT_MEAN_INPUT_LEN} / {SHAREGPT_MEAN_OUTPUT_LEN} tokens)")
+                        f"{SHAREGPT_MEAN_INPUT_LEN} / {SHAREGPT_MEAN_OUTPUT_LEN} tokens); copy: repeat a "
+                        "passage of about --input-len tokens of shipped text (speculative decoding)")
     p.add_argument("--input-len", type=positive_int, default=None, help=f"prompt tokens (random default: {il})")
     p.add_argument("--output-len", type=positive_int, default=None,
                    help=f"generated tokens per request, EOS ignored (random default: {ol})")
@@ -163,6 +213,8 @@ def check_workload_flags(ns: argparse.Namespace) -> None:
     """Fill the length defaults of ``--dataset``; ValueError for ``--range-ratio`` with the
     lognormal mix (it has its own spread)."""
     il, ol, rr = ns.workload_defaults
+    if ns.dataset == "copy" and ns.range_ratio:
+        raise ValueError("--range-ratio applies to --dataset random; copy prompts take their passage's length")
     if ns.dataset == "lognormal":
         if ns.range_ratio is not None:
             raise ValueError("--range-ratio applies to --dataset random; the lognormal mix has its own spread")

@@ -33,6 +33,7 @@ from kiln.common.manifest import (
     sha256_file,
     verify_engine,
 )
+from kiln.common.progress import ProgressReporter, as_reporter
 
 MAX_SHARD_BYTES = 4 << 30  # weights per safetensors file
 CHECKSUM_ALGORITHM = "sha256"  # the one algorithm of source_checksum and --source-checksum
@@ -60,7 +61,7 @@ class BuildResult:
     seconds: float
 
 
-Progress = Callable[[str], None]
+Progress = Callable[[str], None]  # or a kiln.common.progress.ProgressReporter (stages, layers)
 
 
 def source_checksum(src) -> str:
@@ -129,7 +130,8 @@ def _engine_tensors(model, store_dtype) -> dict:
 
 
 def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, device: str = "auto",
-                 progress: Progress | None = None) -> BuildResult:
+                 progress: ProgressReporter | Progress | None = None,
+                 check: Callable[[Path], dict] | None = None) -> BuildResult:
     """Build the engine of ``spec`` from ``model_src`` into ``output``.
 
     Args:
@@ -137,7 +139,11 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
         model_src: the source as given to ``--model`` (``builtin:...``, .gguf, HF folder).
         output: the engine folder to create (usually ``<cache>/<hash>``).
         device: where to run calibration and quantization math (auto, cpu, cuda).
-        progress: receives one-line progress messages.
+        progress: a ``ProgressReporter`` (stages and layers: ``kiln.common.progress``, the
+            lines the operator reads), or a callback receiving its formatted lines.
+        check: measures the finished engine (its temporary folder) before it is moved into
+            place; what it returns is kept in the manifest as ``accuracy``; what it raises
+            leaves nothing at ``output`` (``kiln.runtime.accuracy_gate``).
     Raises:
         BadInputError: unsupported architecture, missing or corrupt source, a group size that
             does not divide a layer, a checksum that does not match, a max_seq_len other than
@@ -146,7 +152,7 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
             different engine.
     """
     t0 = time.perf_counter()
-    say = progress or (lambda m: None)
+    say = as_reporter(progress)
     out = Path(output).expanduser().absolute()
     h = spec.hash()
     if out.exists():
@@ -156,7 +162,7 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
             except EngineFormatError as e:
                 raise BuildError(f"{out} holds engine {h} but it fails verification ({e}); remove it and build "
                                  "again") from None
-            say(f"engine {h} already built at {out}")
+            say.stage("done", f"engine {h} already built at {out}")
             return BuildResult(out, h, "exists", time.perf_counter() - t0)
         if os.path.ismount(out):  # the finished engine is renamed into place: a mount point cannot take it
             raise BadInputError(f"{out} is a mount point and the engine cannot be renamed onto it; point --output "
@@ -184,9 +190,14 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
         raise BuildError(f"cannot write under {out.parent}: {e.strerror or e} (read-only or missing output location?)") from e
     try:
         _build_into(spec, model_src, tmp, h, device, say)
-        say("finalizing")
+        say.stage("finalize", "finalizing")
         (tmp / _BUILDER_MARKER).unlink(missing_ok=True)
         (tmp / COMPLETE_MARKER).write_text(f"{h}\n")
+        if check is not None:
+            say.stage("evaluate", "measuring the engine against its source (accuracy gate)")
+            accuracy = check(tmp)
+            _add_to_manifest(tmp, "accuracy", accuracy)
+            say(f"accuracy gate passed: {json.dumps(accuracy, sort_keys=True)}")
         for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
             f.chmod(0o644)
         tmp.chmod(0o755)
@@ -210,8 +221,16 @@ def build_engine(spec: BuildSpec, model_src: str, output: str | os.PathLike, *, 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     secs = time.perf_counter() - t0
-    say(f"engine {h} written to {out} in {secs:.1f}s")
+    say.stage("done", f"engine {h} written to {out} in {secs:.1f}s")
     return BuildResult(out, h, "built", secs)
+
+
+def _add_to_manifest(folder: Path, key: str, value) -> None:
+    """Set ``key`` in ``folder``'s manifest and its digest."""
+    manifest = read_manifest(folder)
+    manifest[key] = value
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (folder / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 _BUILDER_MARKER = ".kiln-builder"  # "<host>\n<pid>\n" of the build writing a temporary folder
@@ -246,7 +265,7 @@ def _remove_stale_temps(out: Path, say: Progress) -> None:
             continue
 
 
-def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str, say: Progress) -> None:
+def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str, say: ProgressReporter) -> None:
     import torch  # noqa: PLC0415
 
     from . import loader  # noqa: PLC0415
@@ -281,7 +300,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         handler.check(model)
     except QuantizationError as e:
         raise BadInputError(str(e)) from e
-    say(f"loading weights of {cfg.model_type} ({cfg.num_params() / 1e6:.0f}M parameters) on {dev}"
+    say.stage("load", f"loading weights of {cfg.model_type} ({cfg.num_params() / 1e6:.0f}M parameters) on {dev}"
         + (f", pre-quantized {cq.describe()} (kept as it is)" if cq is not None else ""))
     if cq is not None:
         try:
@@ -298,7 +317,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
             raise BadInputError(f"corrupt source {src.ref}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     samples, calib_info = _calibration(spec, handler, cq, kv, tok, say)
-    say(f"quantization {settings.method}" + (" (LM head too)" if settings.lm_head else "")
+    say.stage("quantize", f"quantization {settings.method}" + (" (LM head too)" if settings.lm_head else "")
         + (", KV cache fp8" if kv else ""))
     last = [0.0]
 
@@ -306,7 +325,7 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
         now = time.perf_counter()
         if done == total or now - last[0] > 2.0:
             last[0] = now
-            say(f"{stage}: layer {done}/{total}")
+            say.layer(done, total, f"{stage}: layer {done}/{total}")
 
     with torch.no_grad():
         kv_absmax = None if cq is not None else \
@@ -316,13 +335,13 @@ def _build_into(spec: BuildSpec, model_src: str, tmp: Path, h: str, device: str,
     tensors = _engine_tensors(model, store_dtype)
     if kv_absmax is not None:
         tensors.update(kv_fp8.scale_tensors(kv_absmax))
-    say(f"writing {len(tensors)} tensors")
+    say.stage("write", f"writing {len(tensors)} tensors")
     # one metadata key only: safetensors writes the metadata map in hash-map order
     files = _save_weights(tensors, tmp, {"format": "pt"})
     _write_manifest(spec, tmp, h, cfg, settings, store_dtype, files, tok, src, checksum, calib_info, dev)
 
 
-def _open_source(spec: BuildSpec, model_src: str, say: Progress):
+def _open_source(spec: BuildSpec, model_src: str, say: ProgressReporter):
     """Resolve, hash and read the source's config, checkpoint quantization and tokenizer:
     ``(source, sha256, hf folder, ModelConfig, CheckpointQuantization | None, tokenizer | None)``.
 
@@ -335,7 +354,7 @@ def _open_source(spec: BuildSpec, model_src: str, say: Progress):
 
     try:
         src = loader.resolve_source(model_src)
-        say(f"source {src.ref} ({src.kind}: {src.path}); hashing")
+        say.stage("source", f"source {src.ref} ({src.kind}: {src.path}); hashing")
         checksum = source_checksum(src)
         if spec.source.checksum and spec.source.checksum.lower() != checksum:
             raise BadInputError(f"source checksum mismatch: expected {spec.source.checksum}, the source has {checksum}")
@@ -349,7 +368,7 @@ def _open_source(spec: BuildSpec, model_src: str, say: Progress):
     return src, checksum, hf, cfg, cq, tok
 
 
-def _calibration(spec: BuildSpec, handler, cq, kv: bool, tok, say: Progress):
+def _calibration(spec: BuildSpec, handler, cq, kv: bool, tok, say: ProgressReporter):
     """The calibration samples (token id lists) and the manifest's ``calibration`` record, or
     ``(None, None)`` when neither the method nor the FP8 KV cache calibrates.
 
@@ -373,7 +392,7 @@ def _calibration(spec: BuildSpec, handler, cq, kv: bool, tok, say: Progress):
                   "data_sha256": data_sha, "samples_requested": spec.calibration_samples,
                   "samples_used": len(samples), "samples_per_domain": per_domain,
                   "sample_tokens": calibration.SAMPLE_TOKENS}
-    say("calibration: " + ", ".join(f"{d} {n}" for d, n in per_domain.items()) + " samples")
+    say.stage("calibrate", "calibration: " + ", ".join(f"{d} {n}" for d, n in per_domain.items()) + " samples")
     if len(samples) < spec.calibration_samples:
         say(f"the calibration data holds {len(samples)} samples of up to {calibration.SAMPLE_TOKENS} tokens; "
             "using all of them")

@@ -1,6 +1,7 @@
 """``kiln build``'s command line: its flags, their checks, and the exit codes.
 
-Exit codes of ``run_build``: 0 built (or already present), 2 bad input (unknown method, bad
+Exit codes of ``run_build``: 0 built (or already present), 3 the engine failed its accuracy
+gate (nothing written), 2 bad input (unknown method, bad
 group size, unsupported architecture, missing/corrupt source, an empty ``--output`` or a mount
 point as ``--output``), 1 the build failed (read-only or full output, ...), 128 + SIGTERM when
 terminated.  The build itself is ``kiln.runtime.build``.
@@ -23,14 +24,17 @@ from kiln.common.enginespec import (
     CalibrationRef,
     EngineSpecError,
 )
+from kiln.common.enginecache import folder_bytes, format_build_report
+from kiln.common.progress import ProgressReporter
 
 from . import hub
 from .build import CHECKSUM_ALGORITHM, BadInputError, BuildError, build_engine
 
 
-def _stderr_progress(msg: str) -> None:
-    """Print one progress line of the build to stderr."""
-    print(f"kiln build: {msg}", file=sys.stderr, flush=True)
+def _stderr_line(line: str) -> None:
+    """Print one progress line of the build to stderr (``kiln.common.progress``'s format: the
+    operator reads it from the build pod's log into ``status.build``)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -74,6 +78,14 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"{CHECKSUM_ALGORITHM}:<hex> the source must have (part of the engine hash)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where calibration and quantization run (not part of the hash)")
+    parser.add_argument("--max-perplexity-increase", type=float, default=None, metavar="FRACTION",
+                        help="accuracy gate: refuse the engine when its perplexity on the held-out text is more "
+                             "than this fraction above the source's (0.05: +5%%); exit 3, nothing written")
+    parser.add_argument("--min-greedy-agreement", type=float, default=None, metavar="FRACTION",
+                        help="accuracy gate: refuse the engine when less than this share of its greedy tokens "
+                             "equal the source's (kiln eval agreement); exit 3, nothing written")
+    parser.add_argument("--gate-prompts", type=int, default=8,
+                        help="prompts of the accuracy gate's greedy comparison (default: %(default)s)")
     parser.add_argument("--print-hash", action="store_true", help="print the engine hash and exit")
     parser.add_argument("--termination-log", default=TERMINATION_LOG,
                         help="on failure, write the cause to this file when it exists, as Kubernetes "
@@ -206,6 +218,9 @@ def run_build(args: argparse.Namespace) -> int:
         if given and spec.quantization not in methods:
             return _error(args, 2, f"{flag} applies only to {' and '.join(methods)}, "
                                    f"not to --quantization {spec.quantization}")
+    gate = _gate(args)
+    if isinstance(gate, str):
+        return _error(args, 2, gate)
     if getattr(args, "print_hash", False):
         print(spec.hash())
         return 0
@@ -215,20 +230,33 @@ def run_build(args: argparse.Namespace) -> int:
     prev = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     from .compile_cache import prepare_shared_cache  # noqa: PLC0415
 
+    report = ProgressReporter(_stderr_line)
+
     prepare_shared_cache(os.environ)  # the serving pods' Triton cache on the claim (operator builds only)
     try:
         model_src = spec.source.mounted_path(args.models_mount) if spec.source.kind == "pvc" else args.model
         if hub_ref is not None:  # downloaded before the output is touched: a failure leaves nothing there
-            folder, _ = hub.download(hub_ref, hub_opts, progress=_stderr_progress, resolved=resolved)
+            report.stage("download", f"downloading {hub_ref.uri()}")
+            folder, _ = hub.download(hub_ref, hub_opts, progress=report, resolved=resolved)
             model_src = str(folder)
-        res = build_engine(spec, model_src, args.output, device=args.device, progress=_stderr_progress)
+        check = None
+        if gate.enabled:
+            from .accuracy_gate import measure  # noqa: PLC0415
+
+            src = model_src
+
+            def check(folder):
+                return measure(gate, src, folder, device=_eval_device(args.device))
+        res = build_engine(spec, model_src, args.output, device=args.device, progress=report, check=check)
     except _Terminated:
         print("kiln build: terminated; the unfinished engine was removed", file=sys.stderr)
         return 128 + signal.SIGTERM
     except (BadInputError, hub.HubError) as e:
         return _error(args, 2, str(e))
     except BuildError as e:
-        return _error(args, 1, str(e))
+        from .accuracy_gate import EXIT_GATE_FAILED, AccuracyGateFailed  # noqa: PLC0415
+
+        return _error(args, EXIT_GATE_FAILED if isinstance(e, AccuracyGateFailed) else 1, str(e))
     except ImportError as e:  # the `kiln` dispatcher prints the one-line reason
         _error(args, 1, f"cannot import module {e.name or e!s}: {e}", echo=False)
         raise
@@ -238,8 +266,48 @@ def run_build(args: argparse.Namespace) -> int:
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
+    accuracy = None
+    if gate.enabled:
+        from kiln.common.manifest import read_manifest  # noqa: PLC0415
+
+        accuracy = read_manifest(res.path).get("accuracy")  # also for an engine built before
+    _report(args, format_build_report(res.engine_hash, folder_bytes(res.path), accuracy))
     print(res.path)
     return 0
+
+
+def _report(args: argparse.Namespace, text: str) -> None:
+    """Write a succeeded build's report (``kiln.common.enginecache.format_build_report``) to
+    the ``--termination-log`` file when it exists: the operator keeps it in the engine record."""
+    path = getattr(args, "termination_log", None)
+    if path and os.path.isfile(path):
+        try:
+            with open(path, "w") as f:
+                f.write(text[:4096])
+        except OSError:
+            pass  # a read-only or vanished file must not fail a finished build
+
+
+def _gate(args: argparse.Namespace):
+    """The ``AccuracyGate`` of the flags, or the error message of a bad one."""
+    from .accuracy_gate import AccuracyGate  # noqa: PLC0415
+
+    ppl, agree = getattr(args, "max_perplexity_increase", None), getattr(args, "min_greedy_agreement", None)
+    if ppl is not None and not ppl >= 0:
+        return f"--max-perplexity-increase must be a fraction >= 0 (0.05 is +5%), got {ppl}"
+    if agree is not None and not 0 <= agree <= 1:
+        return f"--min-greedy-agreement must be in [0, 1], got {agree}"
+    if getattr(args, "gate_prompts", 8) < 1:
+        return f"--gate-prompts must be at least 1, got {args.gate_prompts}"
+    return AccuracyGate(ppl, agree, num_prompts=getattr(args, "gate_prompts", 8))
+
+
+def _eval_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch  # noqa: PLC0415
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class _Terminated(BaseException):

@@ -1,4 +1,4 @@
-"""The ``kiln`` command: ``serve``, ``bench``, ``build``, ``eval``, ``operator``.
+"""The ``kiln`` command: ``serve``, ``bench``, ``build``, ``eval``, ``adapter``, ``head``, ``engines``, ``router``, ``operator``.
 
 ``SUBCOMMANDS`` is a static table: each subcommand's name, help, the function that adds its
 flags and the function that runs it, as ``module:function`` strings.  The parser is built for
@@ -60,6 +60,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "asynchronous scheduling is on for CUDA devices only)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads on the CPU (default: KILN_CPU_THREADS, else one per core)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="structured output: a JSON schema, regex or grammar not compiled this long after its "
+                        "request arrived is refused with a 400")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-method", choices=["ngram", "draft", "eagle"], default=None,
+                      help="propose draft tokens that the model verifies in one step: ngram (prompt lookup), draft "
+                           "(a smaller model with the same tokenizer, e.g. an int4 engine of this one), eagle (an "
+                           "EAGLE / EAGLE-3 head checkpoint); default: off")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                      help="drafts per sequence and step (default: 4)")
+    spec.add_argument("--speculative-model", default=None, metavar="SRC",
+                      help="draft: a model source (as --model) or a `kiln build` engine folder; eagle: the head")
+    spec.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
+                      help="ngram: shortest suffix matched (tokens; default: %(default)s)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=5, metavar="N",
+                      help="ngram: longest suffix matched (tokens; default: %(default)s)")
+    spec.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="SEQS",
+                      help="decode without drafts while more sequences than this run (default: measured per "
+                           "method, see docs/benchmarks.md)")
     kern = p.add_argument_group("kernels (CUDA)")
     kern.add_argument("--no-pdl", action="store_true",
                       help="launch kernels without programmatic dependent launch (A/B runs, profiles)")
@@ -87,6 +106,11 @@ def engine_args_from(ns: argparse.Namespace):
         enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,
         pdl=not ns.no_pdl, fused_rope_kv=not ns.no_fused_rope_kv, w4a16_dequant_min_m=ns.w4a16_dequant_min_m,
         quantization=getattr(ns, "quantization", None) or "none", tensor_parallel_size=ns.tensor_parallel_size,
+        grammar_compile_timeout=ns.grammar_compile_timeout,
+        speculative_method=ns.speculative_method, num_speculative_tokens=ns.num_speculative_tokens,
+        speculative_model=ns.speculative_model, prompt_lookup_min=ns.prompt_lookup_min,
+        prompt_lookup_max=ns.prompt_lookup_max,
+        speculative_disable_by_batch_size=ns.speculative_disable_by_batch_size,
         **threads, **lora_args_from(ns),
     )
 
@@ -110,7 +134,8 @@ def lora_args_from(ns: argparse.Namespace) -> dict:
     if not hasattr(ns, "max_loras"):
         return {}
     return dict(enable_lora=ns.enable_lora, lora_modules=parse_lora_modules(ns.lora_modules),
-                max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras)
+                max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
+                lora_dir=ns.lora_dir, lora_modules_file=ns.lora_modules_file)
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -201,6 +226,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (1..64)")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept in host memory (default: --max-loras); others are re-read from disk")
+    lora.add_argument("--lora-dir", default=None, metavar="DIR",
+                      help="adapter folders are taken relative to DIR and may not leave it (--lora-modules, "
+                           "POST /v1/load_lora_adapter's lora_path); default: any path")
+    lora.add_argument("--lora-modules-file", default=None, metavar="FILE",
+                      help='a JSON object {"NAME": "FOLDER", ...} of adapters loaded at start (implies '
+                           "--enable-lora); one that cannot be served is skipped with a warning (the operator's "
+                           "list: it reports the failure)")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes on the port (HTTP, tokenization, detokenization), all in front "
                         "of one engine core process (default: %(default)s)")
@@ -264,6 +296,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "kiln.runtime.build_cli:add_build_args", "kiln.runtime.build_cli:run_build", "runtime"),
     Subcommand("eval", "accuracy of a model or engine (perplexity, greedy agreement)",
                "kiln.runtime.eval:add_eval_args", "kiln.runtime.eval:run_eval", "runtime"),
+    Subcommand("adapter", "fetch a LoRA adapter into a folder, checked against an engine",
+               "kiln.runtime.adapter_cli:add_adapter_args", "kiln.runtime.adapter_cli:run_adapter", "runtime"),
+    Subcommand("head", "fetch an EAGLE / EAGLE-3 head checkpoint into a folder, checked",
+               "kiln.runtime.head_cli:add_head_args", "kiln.runtime.head_cli:run_head", "runtime"),
+    Subcommand("engines", "list the engine cache and clean it up (kiln engines list | gc)",
+               "kiln.operator.engines_cli:add_engines_args", "kiln.operator.engines_cli:run_engines", "operator"),
+    Subcommand("router", "route OpenAI / KServe v2 requests to InferenceEngines (holds them while one scales from zero)",
+               "kiln.operator.router.config:add_router_args", "kiln.operator.router.app:run_router", "router"),
     Subcommand("operator", "run the Kubernetes operator (kopf)",
                "kiln.runtime.cli:add_operator_args", "kiln.runtime.cli:cmd_operator", "operator", own_help=True),
 )
@@ -343,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and not getattr(ns, "flags_unknown", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.log_level.upper() != "DEBUG":  # a line per HTTP request of the Hub client is debugging output
+        for noisy in ("httpx", "httpcore", "huggingface_hub"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     return _call(ns.command, lambda: ns.func(ns))
 
 

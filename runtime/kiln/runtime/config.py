@@ -119,16 +119,70 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # ``lora_dir``: adapter paths (``lora_modules``, the load API) resolve under it and may not
+    # leave it.  ``lora_modules_file``: a JSON object ``{name: folder}`` of adapters loaded at
+    # start where each one that cannot be served is skipped with a warning (the operator's
+    # list, which it also loads and reports itself); ``lora_modules`` must all load.
+    lora_dir: str | None = None
+    lora_modules_file: str | None = None
+    # Structured output: a grammar still compiling this many seconds after its request
+    # arrived is refused (HTTP 400).
+    grammar_compile_timeout: float = 10.0
+    # Speculative decoding (``kiln.runtime.spec_decode``): ``speculative_method`` ngram |
+    # draft | eagle (None: off); drafts per step (None: 4); the draft model or EAGLE head
+    # (``draft``/``eagle``: a model source, or an engine folder for ``draft``); the n-gram
+    # window (tokens); running sequences above which the engine decodes without drafts
+    # (None: the measured default per method, ``spec_decode.config``).
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    speculative_disable_by_batch_size: int | None = None
+
+    @property
+    def speculative(self):
+        """The ``SpeculativeConfig`` of the speculative fields, or None when off
+        (ValueError for an invalid combination)."""
+        from .spec_decode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig  # noqa: PLC0415
+
+        if self.speculative_method is None:
+            if self.speculative_model or self.num_speculative_tokens:
+                raise ValueError("speculative_model / num_speculative_tokens need speculative_method "
+                                 "(ngram, draft or eagle)")
+            return None
+        return SpeculativeConfig(
+            self.speculative_method,
+            DEFAULT_NUM_SPECULATIVE_TOKENS if self.num_speculative_tokens is None else self.num_speculative_tokens,
+            self.speculative_model, self.prompt_lookup_min, self.prompt_lookup_max,
+            self.speculative_disable_by_batch_size)
 
     @property
     def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or bool(self.lora_modules) or self.lora_modules_file is not None
 
     def lora_config(self):
         """The engine's ``LoRAConfig`` (ValueError for an out-of-range field)."""
         from .lora.manager import LoRAConfig  # noqa: PLC0415  (torch)
 
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, root=self.lora_dir)
+
+    def lora_modules_from_file(self) -> dict[str, str]:
+        """``lora_modules_file``'s ``{name: folder}`` (empty without one).  Raises ValueError
+        naming the flag for a file that is missing or not such an object."""
+        import json  # noqa: PLC0415
+
+        if self.lora_modules_file is None:
+            return {}
+        try:
+            data = json.loads(Path(self.lora_modules_file).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--lora-modules-file {self.lora_modules_file}: cannot be read as JSON ({e})") from None
+        if not isinstance(data, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                 for k, v in data.items()):
+            raise ValueError(f"--lora-modules-file {self.lora_modules_file}: expected a JSON object "
+                             '{"name": "folder", ...} of non-empty strings')
+        return data
 
     def kernel_options(self) -> KernelOptions:
         """The engine's ``KernelOptions`` (ValueError for an out-of-range field)."""
@@ -141,9 +195,6 @@ class EngineArgs:
                              f"got {self.cpu_threads}")
         if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.enable_lora or self.lora_modules):
-            raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet "
-                             "(the workers hold no adapter slots)")
         if self.model and self.engine:
             raise ValueError("give either model or engine, not both")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -172,6 +223,11 @@ class EngineArgs:
         if self.lora_enabled:
             self.lora_config()  # refuses max_loras < 1, a rank outside 1..64, too few cpu loras
         self.kernel_options()  # refuses a w4a16_dequant_min_m below 1
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive (seconds), got {self.grammar_compile_timeout}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding is not served with tensor_parallel_size > 1 yet (the "
+                             "workers verify no drafts)")
 
 
     def _check_quantization(self) -> None:

@@ -72,6 +72,9 @@ class DecodeGraphs:
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # EAGLE-3: the residual streams the model keeps (``LlamaModel.aux_layers``), as each
+        # graph's static output [bs, k * hidden]; replays refresh ``aux_hidden`` from them.
+        self.aux_outputs: dict[int, torch.Tensor] = {}
 
     def capture(self) -> None:
         """Capture one graph per batch size (largest first, sharing one memory pool)."""
@@ -90,6 +93,8 @@ class DecodeGraphs:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
                     self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], meta)
+                if model.model.aux_layers:
+                    self.aux_outputs[bs] = model.model.aux_hidden
                 if pool is None:
                     pool = g.pool()
                 self.graphs[bs] = g
@@ -147,4 +152,6 @@ class DecodeGraphs:
         if self.runner.lora is not None:
             self.runner.lora.set_batch([(sr.request.lora_id, 1) for sr in out.scheduled], num_tokens=bs, active=True)
         self.graphs[bs].replay()
+        if self.aux_outputs:
+            self.runner.model.model.aux_hidden = self.aux_outputs[bs][:n]
         return self.outputs[bs][:n]

@@ -161,5 +161,10 @@ class LLMEngine:
         outputs, to_abort = self.output.process_outputs(self.core.step())
         if to_abort:
             self.core.abort_requests(to_abort, "stop")
+        _, refused = self.core.take_admissions()
+        if refused:  # a grammar that failed or took too long in the core: gone there already
+            for rid, _msg in refused:
+                self.abort_request(rid.rsplit("#", 1)[0])  # the request (its other sequences too)
+            raise InvalidRequestError(f"request {refused[0][0]}: {refused[0][1]}")
         return outputs
 

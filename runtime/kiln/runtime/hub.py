@@ -8,8 +8,10 @@ needs are fetched (``ALLOW_PATTERNS``).  The endpoint, token and cache folder co
 no environment variable.
 
 Errors are :class:`HubError` (a ``ValueError``) with one line and a ``reason``:
-``ModelNotFound``, ``RevisionNotFound``, ``Unauthorized`` or ``DownloadFailed``; the message
-starts with the reason so a build's termination message carries it to the operator.
+``ModelNotFound``, ``RevisionNotFound``, ``Unauthorized``, ``DownloadFailed`` or
+``UnsupportedModel`` (``config.json``, fetched before any weight, names an architecture or
+shape Kiln cannot run); the message starts with the reason so a build's termination message
+carries it to the operator.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class HubRef:
 
 class HubError(ValueError):
     """A Hub download that cannot succeed without a change; ``reason`` is one of
-    ModelNotFound, RevisionNotFound, Unauthorized, DownloadFailed.  (A ValueError, as
+    ModelNotFound, RevisionNotFound, Unauthorized, DownloadFailed, UnsupportedModel.  (A ValueError, as
     ``loader.ModelSourceError`` is; this module stays free of torch for the CLI's parser.)"""
 
     def __init__(self, reason: str, message: str):
@@ -111,9 +113,15 @@ def _fail(ref: HubRef, e: Exception, opts: HubOptions) -> HubError:
     return HubError("DownloadFailed", f"cannot download {ref.uri()} from {where}: {type(e).__name__}: {first}")
 
 
-def resolve_commit(ref: HubRef, opts: HubOptions) -> tuple[str, list[str]]:
+# What a PEFT LoRA adapter needs (``kiln adapter fetch``)
+ADAPTER_PATTERNS = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def resolve_commit(ref: HubRef, opts: HubOptions, patterns: tuple[str, ...] = ALLOW_PATTERNS,
+                   required: str = "config.json") -> tuple[str, list[str]]:
     """The commit sha ``ref.revision`` (or the default branch) points at now, and the repo's
-    files there that a model needs (sorted).
+    files there matching ``patterns`` (sorted; by default what a model needs).  ``required``:
+    the file without which the repo is not what is asked for (a model's ``config.json``).
 
     Raises:
         HubError: unknown repo or revision, refused access, no connection.
@@ -126,30 +134,57 @@ def resolve_commit(ref: HubRef, opts: HubOptions) -> tuple[str, list[str]]:
     except Exception as e:  # noqa: BLE001 - every failure becomes one classified line
         raise _fail(ref, e, opts) from None
     files = sorted(s.rfilename for s in (info.siblings or [])
-                   if any(fnmatch.fnmatch(s.rfilename, p) for p in ALLOW_PATTERNS))
+                   if any(fnmatch.fnmatch(s.rfilename, p) for p in patterns))
     if not info.sha or not _COMMIT.match(info.sha):
         raise HubError("DownloadFailed", f"{opts.endpoint or 'the Hub'} gave no commit sha for {ref.uri()}")
-    if "config.json" not in files:
-        raise HubError("ModelNotFound", f"{ref.uri()} has no config.json: not a transformers model folder")
+    if required not in files:
+        what = "a transformers model folder" if required == "config.json" else "a PEFT adapter"
+        raise HubError("ModelNotFound", f"{ref.uri()} has no {required}: not {what}")
     return info.sha, files
 
 
+def check_model_config(path: Path) -> None:
+    """Refuse a downloaded ``config.json`` that Kiln's model code cannot run (architecture,
+    activation, head counts), before any weight file is fetched.  A checkpoint's
+    ``quantization_config`` is checked later, by the loader.
+
+    Raises:
+        HubError: reason UnsupportedModel, with the model config's own message.
+    """
+    import json  # noqa: PLC0415
+
+    from .model.config import ModelConfig, UnsupportedModelError  # noqa: PLC0415 - torch-free
+
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        ModelConfig.from_hf_dict(cfg)
+    except (UnsupportedModelError, ValueError, UnicodeDecodeError) as e:
+        raise HubError("UnsupportedModel", f"{path.name} of the Hub model: {e}") from None
+
+
 def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | None = None,
-             resolved: tuple[str, list[str]] | None = None) -> tuple[Path, str]:
+             resolved: tuple[str, list[str]] | None = None, patterns: tuple[str, ...] = ALLOW_PATTERNS,
+             required: str = "config.json", check_config: bool = True) -> tuple[Path, str]:
     """Download ``ref``'s model files into the cache; returns ``(snapshot folder, commit sha)``.
 
     The revision is resolved to a commit once; every file is then fetched at that commit, so
-    a branch that moves during the download cannot mix two commits.  Files already in the
-    cache for the commit are not fetched again; a partial file is resumed.  ``resolved``: the
-    ``(commit, files)`` of an earlier :func:`resolve_commit` (not asked again).
+    a branch that moves during the download cannot mix two commits.  ``config.json`` comes
+    first and is checked (:func:`check_model_config`), so an unsupported model costs one small
+    file, not its weights.  Files already in the cache for the commit are not fetched again; a
+    partial file is resumed.  ``resolved``: the ``(commit, files)`` of an earlier
+    :func:`resolve_commit` (not asked again); ``patterns`` and ``required`` as there (the
+    required file is fetched first); ``check_config`` False skips the model check of
+    ``config.json`` (an EAGLE head's config describes one decoder layer, not a model).
 
     Raises:
-        HubError: see :func:`resolve_commit`; a dropped connection that retries cannot heal.
+        HubError: see :func:`resolve_commit`; a dropped connection that retries cannot heal;
+            reason UnsupportedModel for a config.json Kiln cannot run.
     """
     from huggingface_hub import hf_hub_download  # noqa: PLC0415
 
     say = progress or (lambda m: None)
-    sha, files = resolved or resolve_commit(ref, opts)
+    sha, files = resolved or resolve_commit(ref, opts, patterns, required)
+    files = sorted(files, key=lambda f: f != required)  # stable: the required file (config.json), then the rest
     say(f"{ref.uri()} is commit {sha}; {len(files)} files")
     folder: Path | None = None
     for i, name in enumerate(files, 1):
@@ -159,8 +194,10 @@ def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | No
         except Exception as e:  # noqa: BLE001
             raise _fail(HubRef(ref.repo, ref.revision or sha), e, opts) from None
         say(f"[{i}/{len(files)}] {name} ({p.stat().st_size / 1e6:.1f} MB)")
+        if name == "config.json" and check_config:
+            check_model_config(p)
         folder = p.parents[len(Path(name).parts) - 1]
-    assert folder is not None  # files holds config.json
+    assert folder is not None  # files holds the required file
     return folder, sha
 
 

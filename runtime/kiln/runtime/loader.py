@@ -242,6 +242,9 @@ def iter_weights(src: ResolvedSource) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open  # noqa: PLC0415
 
         files = sorted(src.path.glob("*.safetensors"))
+        if not files and src.path.parent == BUILTIN_CONFIGS:
+            raise ModelSourceError(f"{src.ref} is an architecture without weights: it runs with --load-format dummy "
+                                   "(random weights) only")
         if not files:
             raise ModelSourceError(f"no *.safetensors files in {src.path}")
         for f in files:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,7 +26,8 @@ from .distributed.parallel import TPContext
 from .decode_graphs import SLOW_GEMM_BATCH_SIZES, DecodeGraphs, decode_graph_sizes  # noqa: F401
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
-from .sampler import DeviceSample, SamplingRow, sample_on_device
+from .sampler import DeviceSample, SamplingRow, sample_on_device  # noqa: F401
+from .step_result import PendingStep, StepResult  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -49,47 +49,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
-
-
-@dataclass
-class StepResult:
-    """Output of one step: sampled tokens (and logprobs) keyed by request id;
-    ``forward_seconds`` is host time from launch until the result was read (seconds)."""
-
-    sampled: dict[str, int]
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
-    forward_seconds: float
-
-
-class PendingStep:
-    """A launched step whose sampled ids are on their way to the host.
-
-    ``result()`` waits for the device (a CUDA event recorded after the device -> pinned host
-    copies) and returns the :class:`StepResult`; later calls return the same object.
-    """
-
-    def __init__(self, request_ids: list[str], sample: DeviceSample | None, event, t0: float):
-        self._ids = request_ids
-        self._sample = sample
-        self._event = event
-        self._t0 = t0
-        self._result: StepResult | None = None
-
-    def result(self) -> StepResult:
-        if self._result is None:
-            sampled: dict[str, int] = {}
-            lps: dict[str, tuple[float, list[tuple[int, float]]]] = {}
-            if self._sample is not None:
-                if self._event is not None:
-                    self._event.synchronize()
-                res = self._sample.materialize()
-                for rid, tok, lp in zip(self._ids, res.token_ids, res.logprobs):
-                    sampled[rid] = tok
-                    if lp is not None:
-                        lps[rid] = lp
-            self._result = StepResult(sampled, lps, time.perf_counter() - self._t0)
-            self._sample = None
-        return self._result
 
 
 class ModelRunner:
@@ -130,6 +89,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # The LoRA transform and its adapters (``enable_lora``); None: no LoRA.
         self.lora = None
+        # Speculative decoding with EAGLE heads: called after each forward with the rows'
+        # scheduled requests (model order) and the final hidden states [T, hidden].
+        self.hidden_sink = None
+        # A launched step whose sampler waits for its grammar bitmask (``defer_sample``) and
+        # that mask: launched before the next step's forward pass (or when its result is read).
+        self._deferred: tuple[PendingStep, object] | None = None
 
     def enable_lora(self, config) -> None:
         """Wrap the model's target linears for multi-LoRA serving (``lora.LoRAManager``),
@@ -281,7 +246,8 @@ class ModelRunner:
         for sr in ordered:
             req = sr.request
             start, n = sr.num_computed_tokens, sr.num_new_tokens
-            toks = req.token_slice(start, start + n)
+            k = sr.num_spec_tokens  # drafts after the known tokens (speculative decoding)
+            toks = req.token_slice(start, start + n - k)
             if PLACEHOLDER_TOKEN_ID in toks:
                 src = self.placeholder_source(req.request_id)
                 for j, t in enumerate(toks):
@@ -289,6 +255,7 @@ class ModelRunner:
                         ph_dst.append(len(input_ids) + j)
                         ph_src.append(src)
             input_ids.extend(toks)
+            input_ids.extend(sr.spec_token_ids)
             positions.extend(range(start, start + n))
             blocks = sr.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -296,8 +263,8 @@ class ModelRunner:
             q_lens.append(n)
             tables.append(blocks)
             lora_rows.append((req.lora_id, n))
-            if sr.needs_sample:
-                logit_rows.append(len(input_ids) - 1)
+            if sr.needs_sample:  # the last known token's row, and each draft's
+                logit_rows.extend(range(len(input_ids) - 1 - k, len(input_ids)))
         meta = self.attention_metadata(slots, seq_lens, q_lens, tables, num_decodes)
         if self.lora is not None:
             self.lora.set_batch(lora_rows)
@@ -366,39 +333,74 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self, self.args.max_num_seqs, max_model_len)
         self.decode_graphs.capture()
 
-    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], bitmask_fn=None) -> StepResult:
+    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], grammar_mask=None,
+                draft_probs: dict | None = None) -> StepResult:
         """Run a step and wait for its sampled tokens (``execute_async(...).result()``)."""
-        return self.execute_async(out, rows, bitmask_fn).result()
+        return self.execute_async(out, rows, grammar_mask, draft_probs).result()
 
     @torch.inference_mode()
-    def execute_async(self, out: SchedulerOutput, rows: dict[str, SamplingRow], bitmask_fn=None) -> PendingStep:
+    def execute_async(self, out: SchedulerOutput, rows: dict[str, SamplingRow], grammar_mask=None,
+                      draft_probs: dict | None = None, defer_sample: bool = False) -> PendingStep:
         """Launch the forward pass for a scheduled step and sample the requests that need a
         token, without waiting for the device: the sampled ids are copied to pinned host
         memory behind an event, and stay on the device as the next step's placeholder
-        inputs.
+        inputs.  A step whose sampler was deferred is launched first.
 
         Args:
             out: the scheduler's decision for this step.
             rows: sampling settings per request id (only those with ``needs_sample``).
-            bitmask_fn: structured output: called with the sampled request ids (row order)
-                after the forward pass is launched and before sampling, so the host fills
-                the grammar bitmask while the device computes; returns int32 [R, ceil(V/32)]
-                on the host, or None.
+            grammar_mask: structured output: called once the forward pass is launched and
+                before sampling; returns the step's ``structured_output.bitmask.GrammarMask``
+                (its rows possibly still being filled on the host) or None.
+            draft_probs: a step verifying drafts (``out.num_spec_tokens``): per request id the
+                draft model's float32 [k, V] distributions of its drafts (absent: point-mass
+                drafts, e.g. n-gram); the step's result then holds token lists.
+            defer_sample: a step with a grammar mask launches its sampler (which waits for the
+                mask) only before the next step's forward pass or when its result is read, so
+                the host fills the mask while it plans the next step (asynchronous scheduling).
         Returns:
             A :class:`PendingStep`; its ``result()`` blocks until the tokens are on the host.
         """
         t0 = time.perf_counter()
+        self.launch_deferred()
         if not out.scheduled:
             return PendingStep([], None, None, t0)
-        if self.tp.enabled:
-            parallel.broadcast_plan(self.tp, parallel.plan_of(out))
+        if self.tp.enabled:  # slots first, so the workers write the same adapters into the same slots
+            writes = self.lora.assign_slots({sr.request.lora_id for sr in out.scheduled if sr.request.lora_id}) \
+                if self.lora is not None else []
+            parallel.broadcast_plan(self.tp, parallel.plan_of(out, writes))
         logits, ids = self._forward_logits(out)
         if logits is None:
             return PendingStep([], None, None, t0)
-        bitmask = bitmask_fn(ids) if bitmask_fn is not None else None
-        if bitmask is not None:
-            bitmask = bitmask.to(self.device, non_blocking=True)
-        ds = sample_on_device(logits, [rows[i] for i in ids], bitmask)
+        mask = grammar_mask() if grammar_mask is not None else None
+        if out.num_spec_tokens:  # a synchronous step: nothing reads its tokens on the device
+            from .rejection_sampler import verify_step  # noqa: PLC0415
+
+            self._last_sampled, self._last_rows = None, {}
+            order, sample = verify_step(self, out, logits, ids, rows, draft_probs or {}, mask)
+            return PendingStep(order, sample, None, t0)
+        if mask is not None and defer_sample:
+            step = PendingStep(ids, None, None, t0, launch=lambda: self._sample(logits, ids, rows, mask))
+            self._deferred = (step, mask)
+            return step
+        return PendingStep(ids, *self._sample(logits, ids, rows, mask), t0)
+
+    def launch_deferred(self, if_ready: bool = False) -> None:
+        """Launch the sampler of the step whose sampling was deferred, if any; with
+        ``if_ready`` only when its grammar mask is filled already (no wait)."""
+        if self._deferred is not None and (not if_ready or self._deferred[1].ready):
+            step, _ = self._deferred
+            self._deferred = None
+            step.launch()
+
+    def _sample(self, logits: torch.Tensor, ids: list[str], rows: dict[str, SamplingRow],
+                mask) -> tuple[DeviceSample, torch.cuda.Event | None]:
+        """Sample a step's logits [S, V] (rows of ``ids``), with its grammar mask if any;
+        returns the sample (copying to the host on CUDA) and the event after the copies."""
+        bitmask = mask_rows = None
+        if mask is not None:
+            bitmask, mask_rows = self.mask_on_device(mask, ids)
+        ds = sample_on_device(logits, [rows[i] for i in ids], bitmask, mask_rows)
         if self.tp.enabled:  # the other ranks keep the sampled ids as placeholder inputs
             torch.distributed.broadcast(ds.token_ids, src=0)
         self._last_sampled = ds.token_ids
@@ -408,7 +410,21 @@ class ModelRunner:
             ds = ds.start_copy()
             event = torch.cuda.Event()
             event.record()
-        return PendingStep(ids, ds, event, t0)
+        return ds, event
+
+    def mask_on_device(self, mask, ids: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A ``GrammarMask`` for sampled rows ``ids``: its bitmask int32 [G, W] on the device
+        (waits for the host fill) and the logits row of each of its G rows (int64 [G] on the
+        device; None when they are rows 0..S-1 in order)."""
+        pos = {rid: j for j, rid in enumerate(ids)}
+        missing = [rid for rid in mask.request_ids if rid not in pos]
+        if missing:
+            raise RuntimeError(f"grammar bitmask rows {missing[:3]} are not sampled rows of this step")
+        rows = [pos[rid] for rid in mask.request_ids]
+        bitmask = mask.to_device(self.device)
+        if len(rows) == len(ids) and all(r == j for j, r in enumerate(rows)):
+            return bitmask, None
+        return bitmask, self.h2d(rows, torch.int64)
 
     def _forward_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
         """The forward pass of a step (graph replay or eager) and the float32 logits [S, vocab]
@@ -420,6 +436,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta, logit_rows, ordered = self.prepare_inputs(out)
             hidden = self.model(input_ids, positions, meta)
+        if self.hidden_sink is not None:  # EAGLE: the target's features of every computed row
+            self.hidden_sink(ordered, hidden)
         ids = [sr.request.request_id for sr in ordered if sr.needs_sample]
         if not logit_rows:
             self._last_sampled, self._last_rows = None, {}
@@ -444,6 +462,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Rank 0: stop the tensor-parallel workers and leave the process group (no-op at tp 1)."""
+        self.launch_deferred()  # the workers wait for its broadcast
         if self.tp.enabled and self.tp.rank == 0 and torch.distributed.is_initialized():
             parallel.shutdown(self.tp)
             torch.distributed.destroy_process_group()

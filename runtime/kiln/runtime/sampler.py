@@ -200,17 +200,39 @@ def _chunked_argmax(logits: torch.Tensor, c: int) -> torch.Tensor:
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Set to -inf every logit whose bit is 0: one masked fill over the batch.
 
     Args:
         logits: float [S, V] (modified in place).
-        bitmask: int32 [S, ceil(V/32)] on the logits' device; bit ``t % 32`` of word
-            ``t // 32`` of row s is 1 when token t is allowed in row s (xgrammar's layout).
+        bitmask: int32 [G, ceil(V/32)] on the logits' device; bit ``t % 32`` of word
+            ``t // 32`` of a row is 1 when token t is allowed there (xgrammar's layout).
             Rows of all ones leave their logits alone.
+        rows: int64 [G] on the logits' device, the logits row of each bitmask row (logits
+            rows without one are not masked); None: bitmask row s is logits row s (G == S).
     Returns:
         ``logits``.
+
+    Float32 logits on the CPU go through xgrammar's CPU kernel (the same result, without
+    the [S, V] intermediates the device form builds).
     """
+    S, V = logits.shape
+    if rows is not None:  # the batch's bitmask: all ones where no grammar row lands
+        full = torch.full((S, bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+        bitmask = full.index_copy_(0, rows, bitmask)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        import xgrammar as xgr  # noqa: PLC0415
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=V,
+                                        indices=rows.tolist() if rows is not None else None)
+        return logits
+    return mask_logits_by_bits(logits, bitmask)
+
+
+def mask_logits_by_bits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``apply_token_bitmask``'s device form: float ``logits`` [S, V] (in place) and int32
+    ``bitmask`` [S, ceil(V/32)] on one device, as elementwise kernels (unpack the bits to
+    [S, V], one masked fill)."""
     S, V = logits.shape
     shifts = _BIT_SHIFTS.get(logits.device)
     if shifts is None:
@@ -219,16 +241,18 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill_(allowed == 0, float("-inf"))
 
 
-def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
-                     token_bitmask: torch.Tensor | None = None) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: torch.Tensor | None = None,
+                     bitmask_rows: torch.Tensor | None = None) -> DeviceSample:
     """Pick one token per row without reading anything back to the host.
 
     Args:
         logits: float32 [S, vocab] (modified in place).
         rows: S sampling rows, aligned with ``logits``.
-        token_bitmask: int32 [S, ceil(vocab/32)] on the logits' device, or None: the
-            grammar's allowed tokens per row (``apply_token_bitmask``), applied after the
-            penalties, logit bias and min_tokens ban, before greedy and sampling (vLLM's order).
+        token_bitmask: int32 [G, ceil(vocab/32)] on the logits' device, or None: the
+            grammars' allowed tokens (``apply_token_bitmask``), applied after the penalties,
+            logit bias and min_tokens ban, before greedy and sampling (vLLM's order).
+        bitmask_rows: int64 [G] on the device, the row of each bitmask row (None: G == S, in
+            order).
     Returns:
         A :class:`DeviceSample` (token ids int64 [S] on the logits' device).
     """
@@ -250,7 +274,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
         idx = _index([i * logits.shape[-1] + t for i, t in banned], dev)
         logits.view(-1).index_fill_(0, idx, float("-inf"))
     if token_bitmask is not None:
-        apply_token_bitmask(logits, token_bitmask)
+        apply_token_bitmask(logits, token_bitmask, bitmask_rows)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         chosen = greedy_argmax(logits)

@@ -60,22 +60,30 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Te
 
 
 def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-                    offset: int = 0) -> torch.Tensor:
-    """``y[t, offset:offset+N] += h[t] @ lora_b[slot(t)].T`` in place (float32 accumulation,
-    stored in y's dtype); tokens without an adapter are left alone.
+                    offset: int = 0, part_sizes: list[int] | None = None) -> torch.Tensor:
+    """``y[t, offset + c_p : offset + c_p + N_p] += h[t, p*R:(p+1)*R] @ lora_b[slot(t), c_p:c_p + N_p].T``
+    for each part ``p`` in place (float32 accumulation, stored in y's dtype); tokens without
+    an adapter are left alone.
 
     Args:
         y: [T, >= offset + N] (the base layer's output).
-        h: float32 [T, R] (``lora_shrink``'s output; a column slice is fine).
-        lora_b: [S, N, R], y's dtype, the scaling folded in.
+        h: float32 [T, P*R] (``lora_shrink``'s output; a column slice is fine).
+        lora_b: [S, N, R], y's dtype, the scaling folded in; the parts stacked along N.
         token_slots: int32 [T].
         offset: first output column.
+        part_sizes: the parts' widths (sum N); None: one part.
     Returns:
         ``y``.
     """
-    N = lora_b.shape[1]
+    N, R = lora_b.shape[1], lora_b.shape[2]
+    parts = [N] if part_sizes is None else list(part_sizes)
     for s, rows in _slot_rows(token_slots):
-        hs = h[rows].to(lora_b.dtype) if lora_b.dtype != torch.float32 else h[rows]
-        delta = hs.float() @ lora_b[s].float().T
-        y[rows, offset:offset + N] = (y[rows, offset:offset + N].float() + delta).to(y.dtype)
+        c = 0
+        for p, n in enumerate(parts):
+            hs = h[rows, p * R:(p + 1) * R]
+            hs = hs.to(lora_b.dtype) if lora_b.dtype != torch.float32 else hs
+            delta = hs.float() @ lora_b[s, c:c + n].float().T
+            cols = slice(offset + c, offset + c + n)
+            y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+            c += n
     return y

@@ -1,10 +1,17 @@
 """LoRA shrink over token segments in Triton: ``h[t] = x[t] @ A[slot(t)].T`` (float32).
 
-Grid: (token blocks of a segment, rank blocks, slots).  Each program reads its slot's token
-count and returns at once past it, so the grid depends only on ``T`` and ``S`` (fixed for a
-CUDA graph) while the work follows the step's adapters.  Reference: ``reference.
-lora_shrink_ref`` (rows without an adapter are zero there; here they are left untouched and
-``lora_shrink`` zeroes the output first).
+Grid: (token blocks of a segment, rank blocks, slots x K splits).  Each program reads its
+slot's token count and returns at once past it, so the grid depends only on ``T``, ``S`` and
+``K`` (fixed for a CUDA graph) while the work follows the step's adapters.
+
+Split-K: a decode step gives each slot a few tokens, so without splitting only ``S x rank
+blocks`` programs would walk the whole ``K`` (4096-14336) one after the other.  The input
+dimension is split so that a few hundred programs run; each adds its partial product into
+the zeroed float32 output with an atomic add (the order of those adds, hence the last bits of
+``h``, may differ between runs on a GPU; the CPU interpreter runs them in order).  Punica's
+SGMV shrink (Chen et al., 2023) and vLLM's ``lora_shrink_op`` split ``K`` the same way.
+Reference: ``reference.lora_shrink_ref`` (rows without an adapter are zero there; here they
+are left untouched and ``lora_shrink`` zeroes the output first).
 """
 
 from __future__ import annotations
@@ -17,14 +24,20 @@ from kiln.kernels.launch import check, check_last_dim_contiguous, interpreting
 
 __all__ = ["lora_shrink"]
 
+#: Programs a shrink aims for (an H200 has 132 SMs; a few programs per SM hide latency).
+TARGET_PROGRAMS = 512
+#: Fewest ``BLOCK_K`` steps a split walks (fewer: the atomic adds and the launch dominate).
+MIN_K_STEPS_PER_SPLIT = 2
+
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, counts_ptr, starts_ptr, K, R,
-                        stride_xm, stride_as, stride_ar, stride_om,
+def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, counts_ptr, starts_ptr, K, R, K_PER_SPLIT,
+                        stride_xm, stride_as, stride_ar, stride_om, SPLIT_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_r = tl.program_id(1)
-    slot = tl.program_id(2)
+    slot = tl.program_id(2) // SPLIT_K
+    split = tl.program_id(2) % SPLIT_K
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
@@ -36,7 +49,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, counts_ptr, starts_pt
     mask_r = offs_r < R
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * K_PER_SPLIT
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         xt = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
@@ -47,7 +61,29 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, counts_ptr, starts_pt
             acc += tl.dot(xt, at, input_precision="ieee")
         else:
             acc += tl.dot(xt, at)
-    tl.store(out_ptr + tok[:, None] * stride_om + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
+    out_ptrs = out_ptr + tok[:, None] * stride_om + offs_r[None, :]
+    mask = mask_m[:, None] & mask_r[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+
+
+def shrink_blocks(T: int, K: int, R: int, S: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K)`` for a shrink of ``T`` tokens, ``K`` inputs,
+    rank ``R`` (all parts) and ``S`` slots.  ``SPLIT_K`` grows until about
+    ``TARGET_PROGRAMS`` programs can work (counting each slot's token blocks), each split
+    keeping at least ``MIN_K_STEPS_PER_SPLIT`` steps of ``BLOCK_K``."""
+    if interpreting():  # small blocks; the split still follows K, so the atomic path runs too
+        block_m, block_r, block_k = 16, max(16, triton.next_power_of_2(R)), 32
+    else:
+        block_m = 16 if T <= 16 else 32 if T <= 64 else 64
+        block_r = min(64, max(16, triton.next_power_of_2(R)))
+        block_k = 64
+    working = (triton.cdiv(T, block_m) + S) * triton.cdiv(R, block_r)  # token blocks that hold tokens
+    max_split = max(1, triton.cdiv(K, block_k * MIN_K_STEPS_PER_SPLIT))
+    split_k = max(1, min(max_split, TARGET_PROGRAMS // max(1, working)))
+    return block_m, block_r, block_k, split_k
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.Tensor, counts: torch.Tensor,
@@ -82,12 +118,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.T
     out.zero_()
     if T == 0 or S == 0:
         return out
-    block_m = 16 if interpreting() or T <= 16 else 32 if T <= 64 else 64
-    block_r = max(16, triton.next_power_of_2(R))
-    block_k = 32 if interpreting() else 64
-    grid = (triton.cdiv(T, block_m), triton.cdiv(R, block_r), S)
-    _lora_shrink_kernel[grid](x, lora_a, out, sorted_token_ids, counts, starts, K, R,
-                              x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+    block_m, block_r, block_k, split_k = shrink_blocks(T, K, R, S)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty split
+    grid = (triton.cdiv(T, block_m), triton.cdiv(R, block_r), S * split_k)
+    _lora_shrink_kernel[grid](x, lora_a, out, sorted_token_ids, counts, starts, K, R, k_per_split,
+                              x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), SPLIT_K=split_k,
                               BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
                               num_warps=1 if interpreting() else 4)
     return out

@@ -264,6 +264,20 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_cached[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Return the blocks of the request's table past the first ``cdiv(num_tokens,
+        block_size)`` (speculative decoding: slots allocated for drafts that were rejected).
+        Those blocks are never cached (they hold no fully computed block), so they go back to
+        the free list.  Returns the blocks freed (blocks)."""
+        table = self._tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (one reference each).  Cached blocks become
         evictable (LRU; the table's tail is evicted first), others go back to the free

@@ -70,6 +70,11 @@ class Request:
     # The LoRA adapter computing this request (``LoRAManager``'s lora_id; 0: the base
     # model).  Its KV blocks are cached under a key of their own.
     lora_id: int = 0
+    # Draft tokens proposed for the next step (speculative decoding), not yet verified: they
+    # are never part of ``output_token_ids`` and never hashed into the prefix cache.  The
+    # scheduler takes (a prefix of) them into the next decode step and clears the list; a
+    # model-based proposer sets placeholders here and fills the scheduled copy.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -123,6 +128,10 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        """Append a verified run of tokens (speculative decoding: accepted drafts + one)."""
+        self.output_token_ids.extend(token_ids)
 
     def append_placeholder(self) -> None:
         """Reserve the next output position for a token sampled by a step in flight."""

@@ -34,6 +34,12 @@ class ScheduledRequest:
     # Tokens of this request found in the prefix cache when it was admitted in this very
     # step (tokens; 0 for requests already running).
     num_cached_tokens: int = 0
+    # Draft tokens verified by this step (speculative decoding; empty otherwise).  They are
+    # the last ``len(spec_token_ids)`` of the ``num_new_tokens`` computed, after the
+    # request's last known token, at positions ``num_tokens ..``; their K/V slots are
+    # allocated but rolled back by ``update_from_output`` when rejected.  A model-based
+    # proposer overwrites the entries (placeholders at schedule time) before the forward.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Snapshot of request.num_tokens at schedule time (tokens), so that needs_sample keeps
     # its value after update_from_output appended the sampled token.
     num_tokens: int = field(init=False)
@@ -52,12 +58,18 @@ class ScheduledRequest:
         the next token (``num_computed_tokens + num_new_tokens == request.num_tokens`` at
         schedule time; stable after ``update_from_output``); False for a prefill chunk that
         stops short of the end."""
-        return self.num_computed_tokens + self.num_new_tokens == self.num_tokens
+        return self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.num_tokens
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens verified this step (tokens; 0 without speculation)."""
+        return len(self.spec_token_ids)
 
     @property
     def is_decode(self) -> bool:
-        """True for a plain decode step: one new token, past the prompt."""
-        return self.num_new_tokens == 1 and self.num_computed_tokens >= self.request.num_prompt_tokens
+        """True for a decode step: one new known token (plus any drafts), past the prompt."""
+        return self.num_new_tokens - len(self.spec_token_ids) == 1 \
+            and self.num_computed_tokens >= self.request.num_prompt_tokens
 
 
 @dataclass
@@ -78,6 +90,11 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     # Tokens of prefill chunks (prompt, or recomputation after preemption) (tokens).
     num_prefill_tokens: int = 0
+    # Planned asynchronously (``schedule`` advanced ``num_computed_tokens`` and appended
+    # placeholders); False for a synchronous step, which every step verifying drafts is.
+    async_step: bool = False
+    # Draft tokens among num_batched_tokens (speculative decoding; tokens).
+    num_spec_tokens: int = 0
 
     @property
     def num_scheduled(self) -> int:

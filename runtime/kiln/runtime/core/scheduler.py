@@ -28,6 +28,15 @@ still runs on the device (its decode inputs are read from step N's sampled ids o
 device).  ``update_from_output`` later fills the placeholders and registers full blocks in
 the prefix cache.  A request is not scheduled past ``max_tokens``; a request that stops on
 EOS or a stop string computes one discarded extra token.
+
+Speculative decoding (vLLM V1's layout: proposers outside, verification in the sampler,
+rollback here): a decoding request whose ``spec_token_ids`` holds drafts computes its last
+token and up to ``k`` drafts in one step (``k`` capped by the token budget and by
+``max_tokens``), with KV slots allocated for all of them.  ``update_from_output`` then gets
+the verified run (the accepted drafts and one token from the target) and advances
+``num_computed_tokens`` by its length only; blocks allocated past the verified tokens go back
+to the pool (``KVCacheManager.trim``) and only fully verified blocks reach the prefix cache.
+Steps that verify drafts are planned synchronously (``schedule(async_step=False)``).
 """
 
 from __future__ import annotations
@@ -215,7 +224,8 @@ class Scheduler:
         return request.lora_id in running or len(running) < self.config.max_loras
 
     def _record(self, out: SchedulerOutput, sr: ScheduledRequest) -> None:
-        if self.config.async_scheduling:
+        out.num_spec_tokens += sr.num_spec_tokens
+        if out.async_step:
             req = sr.request
             req.num_computed_tokens += sr.num_new_tokens
             if sr.needs_sample:
@@ -227,8 +237,24 @@ class Scheduler:
         else:
             out.num_prefill_tokens += sr.num_new_tokens
 
-    def schedule(self) -> SchedulerOutput:
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Drafts of ``req.spec_token_ids`` to verify this step (tokens): only for a decode
+        (one known token left to compute), within the budget and ``max_tokens``."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        return max(0, min(len(req.spec_token_ids), budget - 1, req.max_tokens - req.num_output_tokens - 1))
+
+    def schedule(self, async_step: bool | None = None) -> SchedulerOutput:
         """Plan one step.
+
+        Args:
+            async_step: plan asynchronously (None: ``config.async_scheduling``).  A step
+                verifying drafts must be synchronous: drafts are taken only when False (or
+                None with asynchronous scheduling off).
+
+        Raises:
+            RuntimeError: a synchronous step while a request still waits for the tokens of a
+                step in flight (the caller must read that step back first).
 
         Returns:
             A :class:`SchedulerOutput`; ``num_batched_tokens <= max_num_batched_tokens`` and
@@ -237,7 +263,9 @@ class Scheduler:
         """
         cfg = self.config
         kv = self.kv_cache_manager
-        out = SchedulerOutput()
+        out = SchedulerOutput(async_step=cfg.async_scheduling if async_step is None else async_step)
+        if not out.async_step and cfg.async_scheduling and any(r.num_output_placeholders for r in self.running):
+            raise RuntimeError("a synchronous step was planned while a step in flight has not been read back")
         budget = cfg.max_num_batched_tokens
 
         # 1. Running requests, oldest first.
@@ -248,8 +276,14 @@ class Scheduler:
             if num_new <= 0 or req.num_output_tokens >= req.max_tokens:
                 # nothing to compute: the engine did not finish it yet (or, asynchronous,
                 # its last token is still being sampled)
+                req.spec_token_ids = []
                 i += 1
                 continue
+            num_drafts = 0 if out.async_step else self._num_drafts(req, budget)
+            drafts, req.spec_token_ids = req.spec_token_ids[:num_drafts], []
+            if drafts and kv.allocate_slots(req, num_new + len(drafts)) is None:
+                drafts = []  # no room for the drafts: decode plainly (or preempt below)
+            num_new += len(drafts)
             blocked = False
             while kv.allocate_slots(req, num_new) is None:
                 if cfg.policy == "guaranteed_no_evict":
@@ -266,7 +300,7 @@ class Scheduler:
             if blocked:
                 break
             table = kv.get_block_ids(req.request_id)
-            self._record(out, ScheduledRequest(req, req.num_computed_tokens, num_new, table))
+            self._record(out, ScheduledRequest(req, req.num_computed_tokens, num_new, table, spec_token_ids=drafts))
             budget -= num_new
             i += 1
 
@@ -278,6 +312,7 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             req = self.waiting[0]
+            req.spec_token_ids = []  # a prefill step verifies nothing
             if cfg.max_loras and not self._lora_fits(req):
                 break  # the device slots hold other adapters' running requests
             computed_blocks, num_cached = kv.get_computed_blocks(req)
@@ -299,17 +334,23 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]) -> None:
         """Apply a finished step: advance ``num_computed_tokens``, register newly full
         blocks in the prefix cache, append the sampled token where ``needs_sample``.
+
+        ``sampled_token_ids[request_id]`` is one token, or for a step that verified drafts
+        the verified run (accepted drafts, then the target's token; 1 to ``k + 1`` tokens,
+        fewer when the engine cut it at a stop token).  Only the run's tokens count as
+        computed; KV blocks allocated past them are returned.
 
         Requests finished (e.g. aborted) since ``schedule`` are skipped.
 
         Raises:
             KeyError: if a request that needs a sample has none in ``sampled_token_ids``.
+            ValueError: a verified run longer than the drafts + 1 or empty.
         """
         kv = self.kv_cache_manager
-        if self.config.async_scheduling:
+        if output.async_step:
             self._update_async(output, sampled_token_ids)
             return
         for sr in output.scheduled:
@@ -318,13 +359,24 @@ class Scheduler:
                 continue
             if req.num_computed_tokens != sr.num_computed_tokens:  # stale output; ignore
                 continue
-            needs_sample = sr.needs_sample
-            req.num_computed_tokens += sr.num_new_tokens
+            if not sr.needs_sample:
+                req.num_computed_tokens += sr.num_new_tokens
+                kv.cache_blocks(req, req.num_computed_tokens)
+                continue
+            got = _sampled_token(sampled_token_ids, req)
+            tokens = got if isinstance(got, list) else [got]
+            if not 1 <= len(tokens) <= sr.num_spec_tokens + 1:
+                raise ValueError(f"update_from_output: request {req.request_id} verified {sr.num_spec_tokens} "
+                                 f"drafts but got {len(tokens)} tokens")
+            # the last known token and the accepted drafts are computed; the run's last
+            # token is the new last known token (not computed yet)
+            req.num_computed_tokens += sr.num_new_tokens - sr.num_spec_tokens + len(tokens) - 1
+            req.append_output_tokens(tokens)  # before hashing: accepted drafts fill blocks
+            if sr.num_spec_tokens:
+                kv.trim(req, req.num_computed_tokens)
             kv.cache_blocks(req, req.num_computed_tokens)
-            if needs_sample:
-                req.append_output_token(_sampled_token(sampled_token_ids, req))
 
-    def _update_async(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+    def _update_async(self, output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]) -> None:
         """``update_from_output`` under asynchronous scheduling: fill each sampled request's
         placeholder (also when it was preempted since: its outputs are kept) and register
         the blocks the step filled.  Finished or unknown requests are skipped."""
@@ -340,7 +392,7 @@ class Scheduler:
                 kv.cache_blocks(req, end)
 
 
-def _sampled_token(sampled_token_ids: dict[str, int], req: Request) -> int:
+def _sampled_token(sampled_token_ids: dict[str, int | list[int]], req: Request) -> int | list[int]:
     try:
         return sampled_token_ids[req.request_id]
     except KeyError:

@@ -10,8 +10,10 @@ gloo on the CPU); rank 0 samples from the gathered logits and broadcasts the sam
 each rank holds them as the next step's placeholder inputs (asynchronous scheduling).
 
 A worker that dies takes the core down: a watchdog thread in rank 0 waits on the workers'
-sentinels, logs one error naming the rank and its exit code, stops the other workers and
-ends the core process (exit 1); the API server then fails ``/health`` and exits through its
+sentinels, logs one error line naming the rank and its exit code or signal, stops the other
+workers and ends the core process (exit 1); a collective that fails first in rank 0's step
+loop (the peer's socket closed) ends the same way, without its traceback
+(:func:`exit_if_worker_died`).  The API server then fails ``/health`` and exits through its
 existing core-death path.  Workers ask Linux to SIGKILL them when the core exits
 (``PR_SET_PDEATHSIG``), so no rank outlives its core.
 """
@@ -132,20 +134,42 @@ def stop_workers(procs, timeout: float = 5.0) -> None:
             p.join(1)
 
 
+_failing = threading.Lock()  # one report, whether the watchdog or a failed collective sees it first
+
+
+def _fail(procs, dead) -> None:
+    """Log one error line naming the dead worker, stop the others and end the process (exit 1)."""
+    with _failing:
+        dead.join(1)
+        code = dead.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 and \
+            -code in signal.valid_signals() else f"exited with code {code}"
+        log.error("tensor-parallel rank %d (pid %d) %s; the engine cannot continue without it",
+                  procs.index(dead) + 1, dead.pid, how)
+        stop_workers([p for p in procs if p is not dead], timeout=2.0)
+        os._exit(1)
+
+
 def _watch(procs) -> None:
     """Rank 0's watchdog: the first worker to exit ends the core process (see module doc)."""
     ready = wait([p.sentinel for p in procs])
     dead = next(p for p in procs if p.sentinel in ready)
-    dead.join(1)
     if getattr(dead, "_kiln_stopping", False):
         return
-    rank = procs.index(dead) + 1
-    msg = (f"tensor-parallel rank {rank} (pid {dead.pid}) exited with code {dead.exitcode}; "
-           "the engine cannot continue without it")
-    log.error(msg)
-    print(f"kiln: error: {msg}", file=sys.stderr, flush=True)
-    stop_workers([p for p in procs if p is not dead], timeout=2.0)
-    os._exit(1)
+    _fail(procs, dead)
+
+
+def exit_if_worker_died(tp: TPContext, timeout: float = 2.0) -> None:
+    """Rank 0, after a step raised: when a worker has ended (or ends within ``timeout``
+    seconds: a collective fails the moment a peer's socket closes, a little before its process
+    is reaped), report it as the watchdog does, in one line instead of the collective's
+    traceback, and end the process; otherwise return (the step failed on its own)."""
+    if not tp.enabled or tp.rank != 0 or not tp.workers:
+        return
+    ready = wait([p.sentinel for p in tp.workers], timeout)
+    dead = [p for p in tp.workers if p.sentinel in ready and not getattr(p, "_kiln_stopping", False)]
+    if dead:
+        _fail(tp.workers, dead[0])
 
 
 def shutdown(tp: TPContext) -> None:
@@ -172,7 +196,7 @@ class PlannedRequest:
     tokens: list[int]
     num_tokens: int
     num_prompt_tokens: int
-    lora_id: int = 0  # the base (LoRA is refused with tensor parallelism: EngineArgs)
+    lora_id: int = 0  # 0: the base; else rank 0's id of the adapter (its slot set by the plan's writes)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return self.tokens[start - self.start:end - self.start]
@@ -181,30 +205,33 @@ class PlannedRequest:
         return self.tokens[pos - self.start]
 
 
-def plan_of(out) -> list[tuple]:
-    """A ``SchedulerOutput`` reduced to picklable rows for the workers."""
+def plan_of(out, lora_writes: list[tuple[int, int, str]] | None = None) -> tuple[list[tuple], list]:
+    """A ``SchedulerOutput`` reduced to picklable rows for the workers, with the LoRA slot
+    writes rank 0 made for it (``LoRAManager.assign_slots``)."""
     rows = []
     for sr in out.scheduled:
         req = sr.request
         start, n = sr.num_computed_tokens, sr.num_new_tokens
         rows.append((req.request_id, start, n, req.token_slice(start, start + n), list(sr.block_ids),
-                     sr.num_tokens, req.num_prompt_tokens))
-    return rows
+                     sr.num_tokens, req.num_prompt_tokens, req.lora_id))
+    return rows, list(lora_writes or [])
 
 
-def output_of(rows: list[tuple]):
-    """The worker's ``SchedulerOutput`` rebuilt from :func:`plan_of`'s rows."""
+def output_of(plan: tuple[list[tuple], list]):
+    """The worker's ``(SchedulerOutput, LoRA slot writes)`` rebuilt from :func:`plan_of`."""
     from ..core.sched_output import ScheduledRequest, SchedulerOutput  # noqa: PLC0415
 
+    rows, writes = plan
     scheduled = []
-    for rid, start, n, toks, blocks, num_tokens, num_prompt in rows:
-        req = PlannedRequest(rid, start, toks, num_tokens, num_prompt)
+    for rid, start, n, toks, blocks, num_tokens, num_prompt, lora_id in rows:
+        req = PlannedRequest(rid, start, toks, num_tokens, num_prompt, lora_id)
         scheduled.append(ScheduledRequest(req, start, n, blocks))
-    return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(r[2] for r in rows))
+    return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(r[2] for r in rows)), writes
 
 
-def broadcast_plan(tp: TPContext, rows: list[tuple] | None) -> list[tuple] | None:
-    """Rank 0 sends ``rows`` (None: stop); the other ranks return what rank 0 sent."""
+def broadcast_plan(tp: TPContext, rows):
+    """Rank 0 sends ``rows`` (a :func:`plan_of`; None: stop); the other ranks return what
+    rank 0 sent."""
     box = [rows]
     dist.broadcast_object_list(box, src=0, group=tp.control)
     return box[0]
@@ -238,6 +265,9 @@ def worker_main(args, rank: int, port: int, device: torch.device, load) -> None:
         rows = broadcast_plan(tp, None)
         if rows is None:
             break
-        runner.execute_worker(output_of(rows))
+        out, lora_writes = output_of(rows)
+        if lora_writes:
+            runner.lora.apply_slot_writes(lora_writes)
+        runner.execute_worker(out)
     dist.destroy_process_group()
     os._exit(0)

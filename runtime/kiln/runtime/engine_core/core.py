@@ -21,9 +21,9 @@ from ..core.request import Request, RequestStatus
 from ..core.sched_output import SchedulerOutput
 from ..core.scheduler import Scheduler
 from ..errors import InvalidRequestError
-from ..model_runner import PendingStep, StepResult
 from ..sampler import SamplingRow
-from ..structured_output.manager import StructuredOutputManager
+from ..step_result import PendingStep, StepResult
+from .grammar_admission import GrammarAdmission
 from .loading import LoadedModel, load_model
 from .messages import CoreOutput, CoreRequest
 
@@ -59,12 +59,15 @@ class StepStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # speculative decoding's cumulative counts (a ``SpecDecodeStats``; None: off)
+    spec_decode: object = None
 
 
 class StatLogger(Protocol):
     """Receives the core's per-sequence and per-step statistics (the server's Prometheus
     metrics implement it)."""
 
+    def on_grammar_compiled(self, seconds: float) -> None: ...
     def on_scheduled(self, queue_seconds: float) -> None: ...
     def on_first_token(self, ttft_seconds: float) -> None: ...
     def on_finish(self, stats: FinishedStats) -> None: ...
@@ -83,6 +86,7 @@ class _Seq:
     last_token_time: float = 0.0
     scheduled_logged: bool = False
     finished: bool = False
+    grammar_seconds: float = 0.0  # arrival to grammar compiled: not queue time
     num_cached_reported: int = 0
 
 
@@ -127,16 +131,23 @@ class EngineCore:
         # present, steps run synchronously so the history holds no placeholder.
         self._num_history_requests = 0
         self._seqs: dict[str, _Seq] = {}
-        # Structured output: grammar states, made at the first request with a grammar; such a
-        # request waits in ``_awaiting_grammar`` (outside the scheduler) until it is compiled.
-        self.structured: StructuredOutputManager | None = None
-        self._awaiting_grammar: dict[str, Request] = {}
+        # Structured output: a request with a grammar waits there (outside the scheduler)
+        # until its grammar is compiled; the grammar states and each step's bitmask.
+        self.grammars = GrammarAdmission(lm.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                         self.runner.device.type == "cuda", args.grammar_compile_timeout)
         self.num_steps = 0
+        # Speculative decoding (``args.speculative``): proposer, statistics; None: off.
+        self.spec = None
+        if args.speculative is not None:
+            from ..spec_decode.decoder import SpecDecoder  # noqa: PLC0415
+
+            self.spec = SpecDecoder.create(args.speculative, lm)
         self.startup_seconds = lm.load_seconds + time.perf_counter() - t0
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, req: CoreRequest) -> None:
-        """Queue one sequence.
+    def add_request(self, req: CoreRequest) -> bool:
+        """Queue one sequence; False when it waits for its grammar to compile first (its
+        verdict comes later, from ``take_admissions``).
 
         Raises:
             InvalidRequestError: a duplicate id, or the scheduler cannot ever run it (nothing
@@ -156,7 +167,7 @@ class EngineCore:
                 spec = req.params.structured_outputs.spec()
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from e
-            self._structured()  # no tokenizer: refused before an adapter slot is held
+            self.grammars.require()  # no tokenizer: refused before an adapter slot is held
         if req.lora_name:
             r.lora_id = self._acquire_lora(req.lora_name)  # raises LoRAError (an InvalidRequestError)
         gen = None
@@ -166,11 +177,16 @@ class EngineCore:
         if spec is None:
             self.scheduler.add_request(r)
         else:  # queued once its grammar is compiled (``_admit_compiled``)
-            self._structured().submit(req.request_id, spec)
-            self._awaiting_grammar[req.request_id] = r
+            self.grammars.submit(r, spec)
         self._seqs[req.request_id] = _Seq(r, req.params, gen, req.record_metrics)
         if req.params.has_penalties:
             self._num_history_requests += 1
+        return spec is None
+
+    def take_admissions(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """The sequences that waited for their grammar and got a verdict since the last call:
+        ``(admitted ids, [(id, why refused)])`` (a refused one is gone, nothing to abort)."""
+        return self.grammars.take()
 
     def _acquire_lora(self, name: str) -> int:
         lora = self.runner.lora
@@ -185,43 +201,19 @@ class EngineCore:
         if seq.request.lora_id and self.runner.lora is not None:
             self.runner.lora.release(seq.request.lora_id)
 
-    def _structured(self) -> StructuredOutputManager:
-        if self.structured is None:
-            tok = self.loaded.tokenizer
-            if tok is None:
-                raise InvalidRequestError("structured output needs the model's tokenizer; this model has none")
-            self.structured = StructuredOutputManager(lambda: tok, self.model_config.vocab_size,
-                                                      sorted(self.eos_token_ids),
-                                                      pin_memory=self.runner.device.type == "cuda")
-        return self.structured
+    def _admit_compiled(self) -> None:
+        """Queue the sequences whose grammar finished compiling; drop those refused."""
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        self.grammars.admit(self.scheduler, self._seqs, self.stat_logger, self._drop_unscheduled, idle)
 
-    def _admit_compiled(self) -> list[CoreOutput]:
-        """Queue the sequences whose grammar finished compiling; end (finish_reason "abort")
-        those whose grammar failed.  With nothing else to run, waits up to 10 ms for a compile
-        instead of spinning the step loop."""
-        if not self._awaiting_grammar:
-            return []
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
-            self.structured.wait_any(0.01)
-        ready, failed = self.structured.poll()
-        for rid in ready:
-            r = self._awaiting_grammar.pop(rid, None)
-            if r is not None:
-                self.scheduler.add_request(r)
-        outs = []
-        now = time.monotonic()
-        for rid, msg in failed:
-            self._awaiting_grammar.pop(rid, None)
-            seq = self._seqs.pop(rid, None)
-            if seq is None:
-                continue
-            log.error("request %s: its grammar does not compile in the engine core: %s", rid, msg)
+    def _drop_unscheduled(self, request_id: str) -> _Seq | None:
+        """Forget a sequence that never reached the scheduler (its grammar was refused)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
             if seq.params.has_penalties:
                 self._num_history_requests -= 1
-            outs.append(CoreOutput(rid, [], finish_reason="abort"))
             self._release_lora(seq)
-            self._record_finish(seq, now, "abort")
-        return outs
+        return seq
 
     def abort_requests(self, request_ids: list[str], finish_reason: str = "abort") -> None:
         """Drop sequences now (their KV blocks are freed); unknown or finished ids are
@@ -234,10 +226,10 @@ class EngineCore:
                 continue
             if seq.params.has_penalties:
                 self._num_history_requests -= 1
-            self._awaiting_grammar.pop(rid, None)
-            if self.structured is not None:
-                self.structured.free(rid)
+            self.grammars.discard(rid)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if self.spec is not None:
+                self.spec.free(rid)
             self._release_lora(seq)
             self._record_finish(seq, now, finish_reason)
 
@@ -268,38 +260,60 @@ class EngineCore:
         With asynchronous scheduling this plans and launches step N, then reads back step
         N-1 while step N runs on the device; the outputs returned are step N-1's.
         """
-        outputs: list[CoreOutput] = self._admit_compiled()
+        self.runner.launch_deferred(if_ready=True)  # step N-1's sampler, if its grammar mask is done
+        self._admit_compiled()
+        outputs: list[CoreOutput] = []
+        if self.spec is not None and self.spec.active(self.scheduler.num_running):
+            return outputs + self._spec_step()
         if not self.async_scheduling:
             out = self.scheduler.schedule()
             self._report_gauges(out)
             if not out.scheduled:
                 return outputs
-            fill = self.structured.fill_bitmask if self._has_grammar_rows(out) else None
-            return outputs + self._process(out, self.runner.execute(out, self._sampling_rows(out), fill))
+            mask = self.grammars.start_fill(out)  # filled while the forward pass runs
+            return outputs + self._process(out, self.runner.execute(out, self._sampling_rows(out),
+                                                                    (lambda: mask) if mask is not None else None))
         if self._in_flight is not None and self._num_history_requests:
             outputs += self._drain()  # penalties read the previous token on the host
         out = self.scheduler.schedule()
         self._report_gauges(out)
         launched = None
         if out.scheduled:
-            fill = None
-            if self._has_grammar_rows(out):
-                def fill(ids: list[str]):
-                    # after this step's forward pass is launched: read the previous step's
-                    # tokens, advance the grammars, fill this step's mask while the device runs
+            kw = {}
+            if self.grammars.has_rows(out):
+                # after this step's forward pass is launched: read the previous step back (its
+                # tokens advance the grammars), start this step's fill; the sampler waits for
+                # it before the next step's forward pass
+                def read_back() -> None:
                     if self._in_flight is not None:
                         outputs.extend(self._drain())
-                    return self.structured.fill_bitmask(ids)
-            launched = (out, self.runner.execute_async(out, self._sampling_rows(out), fill))
+                kw = {"grammar_mask": self.grammars.mask_after(out, read_back), "defer_sample": True}
+            launched = (out, self.runner.execute_async(out, self._sampling_rows(out), **kw))
         if self._in_flight is not None:
             outputs += self._drain()
         self._in_flight = launched
         return outputs
 
-    def _has_grammar_rows(self, out: SchedulerOutput) -> bool:
-        so = self.structured
-        return so is not None and so.num_states > 0 and any(
-            sr.needs_sample and so.has_grammar(sr.request.request_id) for sr in out.scheduled)
+    def _params_of(self, request_id: str):
+        seq = self._seqs.get(request_id)
+        return seq.params if seq is not None else None
+
+    def _spec_step(self) -> list[CoreOutput]:
+        """One synchronous step with drafts (speculative decoding): read back the step in
+        flight, propose, plan, fill model drafts, verify."""
+        outputs = self._drain() if self._in_flight is not None else []
+        self.spec.plan(self.scheduler.running, self._params_of)
+        out = self.scheduler.schedule(async_step=False)
+        self._report_gauges(out)
+        for rid in out.preempted_request_ids:
+            self.spec.free(rid)
+        if not out.scheduled:
+            return outputs
+        rows = self._sampling_rows(out)
+        mask = self.grammars.start_fill(out)  # filled while the drafts and the forward pass run
+        probs = self.spec.fill(out, rows)
+        res = self.runner.execute(out, rows, (lambda: mask) if mask is not None else None, probs)
+        return outputs + self._process(out, res)
 
     def _drain(self) -> list[CoreOutput]:
         out, pending = self._in_flight
@@ -324,7 +338,7 @@ class EngineCore:
             if seq is not None and not seq.scheduled_logged:
                 seq.scheduled_logged = True
                 if seq.record_metrics:
-                    self.stat_logger.on_scheduled(now - sr.request.arrival_time)
+                    self.stat_logger.on_scheduled(now - sr.request.arrival_time - seq.grammar_seconds)
         sched = self.scheduler
         kv = sched.kv_cache_manager
         self.stat_logger.on_step(StepStats(
@@ -359,7 +373,11 @@ class EngineCore:
 
     def _process(self, out: SchedulerOutput, res: StepResult) -> list[CoreOutput]:
         """Apply a finished step: scheduler update, token-level stop checks, outputs."""
+        if out.num_spec_tokens:
+            self.spec.cut_at_stops(out, res, self._params_of, self.eos_token_ids)
         self.scheduler.update_from_output(out, res.sampled)
+        if self.spec is not None and out.num_spec_tokens:
+            self.spec.on_verified(out, res.num_accepted)
         self.num_steps += 1
         now = time.monotonic()
         outputs: list[CoreOutput] = []
@@ -370,6 +388,10 @@ class EngineCore:
             seq = self._seqs.get(rid)
             if tok is None or seq is None or seq.request is not sr.request or seq.finished:
                 continue  # no sample this step, or aborted (or its id reused) while in flight
+            if isinstance(tok, list):  # a verified run (speculative decoding)
+                num_gen += len(tok)
+                outputs.append(self._on_run(seq, tok, res.logprobs.get(rid), now))
+                continue
             num_gen += 1
             outputs.append(self._on_token(seq, tok, res.logprobs.get(rid), now))
         if self.stat_logger is not None and num_gen:
@@ -379,10 +401,30 @@ class EngineCore:
                 num_prompt_tokens=0, num_cached_prompt_tokens=0, num_generation_tokens=num_gen, num_scheduled_tokens=0,
                 num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
                 num_preemptions_total=sched.num_preemptions_total, prefix_cache_queries=kv.prefix_cache_queries,
-                prefix_cache_hits=kv.prefix_cache_hits))
+                prefix_cache_hits=kv.prefix_cache_hits, spec_decode=self.spec.stats if self.spec else None))
         return outputs
 
-    def _on_token(self, seq: _Seq, tok: int, lp, now: float) -> CoreOutput:
+    def _on_run(self, seq: _Seq, run: list[int], lps, now: float) -> CoreOutput:
+        """A verified run of tokens, already appended to the request: the stop checks token
+        by token (as if each had come from its own step), one output for all of them."""
+        total = seq.request.num_real_output_tokens
+        merged = None
+        for j, tok in enumerate(run):
+            o = self._on_token(seq, tok, lps[j] if lps else None, now, num_out=total - len(run) + 1 + j)
+            if merged is None:
+                merged = o
+            else:
+                merged.new_token_ids += o.new_token_ids
+                if merged.new_logprobs is not None and o.new_logprobs is not None:
+                    merged.new_logprobs += o.new_logprobs
+                merged.finish_reason, merged.stop_reason = o.finish_reason, o.stop_reason
+            if seq.finished:
+                break
+        return merged
+
+    def _on_token(self, seq: _Seq, tok: int, lp, now: float, num_out: int | None = None) -> CoreOutput:
+        """One new token: stop checks, the sequence's end, its output.  ``num_out``: tokens
+        generated up to and including this one (default: all the request holds)."""
         params = seq.params
         req = seq.request
         if seq.first_token_time is None:
@@ -391,14 +433,13 @@ class EngineCore:
             seq.first_token_time = now
         seq.last_token_time = now
         status, stop_reason = None, None
-        num_out = req.num_real_output_tokens
+        num_out = req.num_real_output_tokens if num_out is None else num_out
         at_limit = num_out >= req.max_tokens or req.num_prompt_tokens + num_out >= self.max_model_len
-        so = self.structured if params.structured_outputs is not None else None
-        if so is not None and not so.accept(req.request_id, tok):  # the mask forbids this: a bug
-            log.error("request %s: token %d is outside its grammar", req.request_id, tok)
-            status = RequestStatus.FINISHED_ABORTED
-        elif so is not None and so.is_terminated(req.request_id):
-            status = RequestStatus.FINISHED_STOPPED  # the grammar ended (with ignore_eos too)
+        grammar = params.structured_outputs is not None
+        if grammar:
+            status = self.grammars.check_token(req.request_id, tok)
+        if status is not None:  # refused by its grammar (a bug: the mask forbids it) or the grammar complete
+            pass
         elif num_out < params.min_tokens:  # EOS and stop ids are masked until min_tokens
             if at_limit:
                 status = RequestStatus.FINISHED_LENGTH
@@ -417,9 +458,11 @@ class EngineCore:
         if status is not None:
             out.finish_reason, out.stop_reason = status.finish_reason, stop_reason
             seq.finished = True
-            if so is not None:
-                so.free(req.request_id)
+            if grammar:
+                self.grammars.discard(req.request_id)
             self.scheduler.finish_request(req.request_id, status)
+            if self.spec is not None:
+                self.spec.free(req.request_id)
             self._seqs.pop(req.request_id, None)
             if params.has_penalties:
                 self._num_history_requests -= 1

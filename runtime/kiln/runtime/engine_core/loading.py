@@ -123,6 +123,7 @@ def load_model(args: EngineArgs, tp=None) -> LoadedModel:
         runner.enable_lora(args.lora_config())
         for name, path in args.lora_modules.items():
             runner.lora.add_adapter(name, path)  # LoRAError (a ValueError): exit 2 at start
+        _load_listed_adapters(runner.lora, args)
     max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     if engine_limit:
         max_model_len = min(max_model_len, engine_limit)
@@ -164,3 +165,22 @@ def _start_tensor_parallel(args: EngineArgs):
         cfg = loader.load_model_config(loader.materialize_gguf(loader.resolve_source(args.model)))
     parallel.check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, args.tensor_parallel_size)
     return parallel.start_workers(args, resolve_device(args.device), load_model)
+
+
+def _load_listed_adapters(lora, args) -> None:
+    """The adapters of ``--lora-modules-file`` (read here, at start: ValueError for a bad
+    file): each that cannot be served is skipped with a warning naming its reason, so the base
+    model serves whatever an operator's list holds (the operator reports the failure)."""
+    from ..lora import LoRAError  # noqa: PLC0415
+
+    for name, path in args.lora_modules_from_file().items():
+        if name in args.lora_modules:
+            continue  # given on the command line too: loaded above
+        if name == args.served_model_name:
+            log.warning("LoRA adapter %s from %s skipped: it has the base model's name", name, args.lora_modules_file)
+            continue
+        try:
+            lora.add_adapter(name, path)
+        except LoRAError as e:
+            log.warning("LoRA adapter %s from %s skipped: %s: %s", name, args.lora_modules_file, e.reason, e)
+

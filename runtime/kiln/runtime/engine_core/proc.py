@@ -144,6 +144,9 @@ def run_engine_core(args: EngineArgs, address: str, metrics_address: str, conn, 
     try:
         CoreLoop(core, sock, metrics).run(stop)
     except BaseException:  # noqa: BLE001
+        from ..distributed import parallel  # noqa: PLC0415
+
+        parallel.exit_if_worker_died(core.runner.tp)  # a dead rank: its one line, not this traceback
         log.exception("engine core crashed")
         os._exit(1)
     finally:
@@ -206,6 +209,7 @@ class CoreLoop:
             if not core.has_unfinished_requests():
                 continue
             outputs = core.step()
+            self._send_admissions()
             if outputs:
                 self._send_outputs(outputs)
 
@@ -235,13 +239,14 @@ class CoreLoop:
                 ack = acks.setdefault(ident, m.CoreOutputs(outputs=[], accepted=[], rejected=[]))
                 for req in msg.requests:
                     try:
-                        self.core.add_request(req)
+                        admitted = self.core.add_request(req)
                     except InvalidRequestError as e:
                         status = 404 if getattr(e, "reason", "") == "NotFound" else 400
                         ack.rejected.append(m.Rejected(req.request_id, str(e), status))
                         continue
                     self.owner[req.request_id] = ident
-                    ack.accepted.append(req.request_id)
+                    if admitted:  # else its verdict waits for its grammar (``_send_admissions``)
+                        ack.accepted.append(req.request_id)
             elif isinstance(msg, m.AbortRequests):
                 changed = True
                 self.core.abort_requests(msg.request_ids, msg.finish_reason)
@@ -268,6 +273,27 @@ class CoreLoop:
             out = m.CoreOutputs(outputs=[], accepted=[], rejected=[], timestamp=now, lora_adapters=adapters,
                                 lora_reply=reply if client == ident else None)
             self.sock.send_multipart([client, m.encode(out)], copy=False)
+
+    def _send_admissions(self) -> None:
+        """The verdicts on sequences that waited for their grammar (before any of their
+        outputs): accepted, or rejected with a 400 (the grammar failed or took too long)."""
+        admitted, refused = self.core.take_admissions()
+        if not admitted and not refused:
+            return
+        acks: dict[bytes, m.CoreOutputs] = {}
+        for rid in admitted:
+            ident = self.owner.get(rid)
+            if ident is not None:
+                acks.setdefault(ident, m.CoreOutputs(outputs=[], accepted=[], rejected=[])).accepted.append(rid)
+        for rid, msg in refused:
+            ident = self.owner.pop(rid, None)
+            if ident is not None:
+                acks.setdefault(ident, m.CoreOutputs(outputs=[], accepted=[], rejected=[])).rejected.append(
+                    m.Rejected(rid, msg, 400))
+        now = time.monotonic()
+        for ident, ack in acks.items():
+            ack.timestamp = now
+            self.sock.send_multipart([ident, m.encode(ack)], copy=False)
 
     def _send_outputs(self, outputs: list[m.CoreOutput]) -> None:
         by_client: dict[bytes, list[m.CoreOutput]] = {}

@@ -76,8 +76,9 @@ class LoRALinearMethod:
             part for o and down).
         num_slots, max_rank: buffer sizes (``max_loras``, ``max_lora_rank``).
     Buffers: ``lora_a`` [S, parts*R, K] (the parts' A stacked, one shrink for all) and
-    ``lora_b[i]`` [S, N_i, R], model dtype; a slot without an adapter (or an adapter not
-    targeting a part) is zero there.
+    ``lora_b`` [S, sum N_i, R] (the parts' B stacked along the output features, one expand
+    for all), model dtype; a slot without an adapter (or an adapter not targeting a part) is
+    zero there.
     """
 
     def __init__(self, base, batch: LoRABatch, in_features: int, slice_sizes: list[int], num_slots: int,
@@ -87,7 +88,8 @@ class LoRALinearMethod:
         self.rank = max_rank
         self.slice_sizes = list(slice_sizes)
         self.lora_a = torch.zeros(num_slots, len(slice_sizes) * max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = [torch.zeros(num_slots, n, max_rank, dtype=dtype, device=device) for n in slice_sizes]
+        self.lora_b = torch.zeros(num_slots, sum(slice_sizes), max_rank, dtype=dtype, device=device)
+        self._part_starts = [sum(slice_sizes[:i]) for i in range(len(slice_sizes))]
 
     def apply(self, layer, x: torch.Tensor, **kwargs) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.base is not None:
@@ -101,33 +103,24 @@ class LoRALinearMethod:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y += delta`` of each token's adapter (in place); returns ``y``."""
-        b, R, T = self.batch, self.rank, x.shape[0]
+        b, T = self.batch, x.shape[0]
         if b.use_triton:
             from kiln.kernels.lora import lora_expand, lora_shrink  # noqa: PLC0415  (Triton)
 
             seg = (b.sorted_token_ids[:T], b.counts, b.starts)
             h = lora_shrink(x, self.lora_a, *seg)
-            off = 0
-            for i, lb in enumerate(self.lora_b):
-                lora_expand(y, h[:, i * R:(i + 1) * R], lb, *seg, offset=off)
-                off += lb.shape[1]
-            return y
+            return lora_expand(y, h, self.lora_b, *seg, part_sizes=self.slice_sizes)
         slots = b.token_slots[:T]
         h = lora_shrink_ref(x, self.lora_a, slots)
-        off = 0
-        for i, lb in enumerate(self.lora_b):
-            lora_expand_ref(y, h[:, i * R:(i + 1) * R], lb, slots, offset=off)
-            off += lb.shape[1]
-        return y
+        return lora_expand_ref(y, h, self.lora_b, slots, part_sizes=self.slice_sizes)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        for lb in self.lora_b:
-            lb[slot].zero_()
+        self.lora_b[slot].zero_()
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Put one part's ``A`` [r, K] and scaled ``B`` [N_i, r] (this rank's slices) into
         ``slot``; ranks below ``max_rank`` are zero-padded."""
-        r, R = a.shape[0], self.rank
+        r, R, c = a.shape[0], self.rank, self._part_starts[part]
         self.lora_a[slot, part * R:part * R + r].copy_(a)
-        self.lora_b[part][slot, :, :r].copy_(b)
+        self.lora_b[slot, c:c + self.slice_sizes[part], :r].copy_(b)

@@ -39,11 +39,27 @@ _PARTS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "o_proj": ["o_proj"],
 @dataclass
 class LoRAConfig:
     """``--max-loras`` (device slots), ``--max-lora-rank`` (buffers' rank, 1..64),
-    ``--max-cpu-loras`` (host cache; None: ``max_loras``)."""
+    ``--max-cpu-loras`` (host cache; None: ``max_loras``), ``--lora-dir`` (``root``: adapter
+    paths are resolved under it and may not leave it; None: any path)."""
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    root: str | None = None
+
+    def resolve(self, path: str | Path) -> Path:
+        """The adapter folder ``path`` names: relative to ``root`` when one is set (an absolute
+        path must lie inside it).  Raises LoRAError (``InvalidAdapter``) for a path that
+        leaves ``root``."""
+        p = Path(path)
+        if self.root is None:
+            return p
+        root = Path(self.root).resolve()
+        full = (p if p.is_absolute() else root / p).resolve()
+        if full != root and root not in full.parents:
+            raise LoRAError(f"adapter path {str(path)!r} is outside --lora-dir {self.root}; give a folder inside it "
+                            "(a relative path is taken from there)")
+        return full
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -141,6 +157,7 @@ class LoRAManager:
             raise LoRAError("an adapter needs a non-empty name")
         if name in self._by_name:
             raise LoRAError(f"an adapter named {name!r} is already loaded; unload it first", "AlreadyExists")
+        path = self.config.resolve(path)
         weights = load_peft_adapter(path, self.model_config, self.config.max_lora_rank)
         lora_id = self._next_id
         self._next_id += 1
@@ -228,11 +245,7 @@ class LoRAManager:
         Raises:
             RuntimeError: more distinct adapters than ``max_loras`` (the scheduler prevents it).
         """
-        wanted = {lid for lid, _ in rows if lid}
-        if len(wanted) > self.config.max_loras:
-            raise RuntimeError(f"{len(wanted)} adapters in one step exceed max_loras {self.config.max_loras}")
-        for lid in wanted:
-            self._ensure_slot(lid, wanted)
+        self.assign_slots({lid for lid, _ in rows if lid})
         slots: list[int] = []
         for lid, n in rows:
             slots.extend([self._slot_of[lid] if lid else -1] * n)
@@ -240,10 +253,45 @@ class LoRAManager:
             slots.extend([-1] * (num_tokens - len(slots)))
         self.batch.set(slots, active)
 
-    def _ensure_slot(self, lora_id: int, keep: set[int]) -> None:
+    def assign_slots(self, wanted: set[int]) -> list[tuple[int, int, str]]:
+        """Give every adapter of ``wanted`` (lora ids, no 0) a device slot, evicting the least
+        recently used ones outside it; returns the slot writes this made as ``(slot, lora_id,
+        adapter folder)`` (tensor parallelism: rank 0 sends them to the other ranks, which
+        replay them with :meth:`apply_slot_writes`, so every rank holds each adapter in the
+        same slot).
+
+        Raises:
+            RuntimeError: more distinct adapters than ``max_loras`` (the scheduler prevents it).
+        """
+        if len(wanted) > self.config.max_loras:
+            raise RuntimeError(f"{len(wanted)} adapters in one step exceed max_loras {self.config.max_loras}")
+        writes: list[tuple[int, int, str]] = []
+        for lid in wanted:
+            slot = self._ensure_slot(lid, wanted)
+            if slot is not None:
+                writes.append((slot, lid, self._entries[lid].info.path))
+        return writes
+
+    def apply_slot_writes(self, writes: list[tuple[int, int, str]]) -> None:
+        """Ranks 1..N-1: write the slots rank 0's :meth:`assign_slots` wrote, reading each
+        adapter from its folder (this rank's shard of it), and map its lora id to that slot.
+
+        Raises:
+            LoRAError: the folder can no longer be read (rank 0 read it moments before).
+        """
+        for slot, lid, path in writes:
+            for old in [k for k, v in self._slot_of.items() if v == slot]:
+                del self._slot_of[old]
+            if slot in self._free_slots:
+                self._free_slots.remove(slot)
+            self._write_slot(slot, load_peft_adapter(path, self.model_config, self.config.max_lora_rank))
+            self._slot_of[lid] = slot
+
+    def _ensure_slot(self, lora_id: int, keep: set[int]) -> int | None:
+        """The slot ``lora_id`` was written into now, or None when it already had one."""
         if lora_id in self._slot_of:
             self._slot_of.move_to_end(lora_id)
-            return
+            return None
         if self._free_slots:
             slot = self._free_slots.pop(0)
         else:
@@ -252,6 +300,7 @@ class LoRAManager:
         entry = self._entries[lora_id]
         self._write_slot(slot, entry.weights)
         self._slot_of[lora_id] = slot
+        return slot
 
     def _write_slot(self, slot: int, w: LoRAWeights) -> None:
         for (i, name), (lin, method) in self.methods.items():

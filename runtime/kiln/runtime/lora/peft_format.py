@@ -80,6 +80,9 @@ def module_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 def _read_config(folder: Path) -> dict:
     path = folder / CONFIG_FILE
+    if folder.exists() and not folder.is_dir():
+        raise LoRAError(f"adapter path {folder} is a file: it must be a PEFT adapter folder holding {CONFIG_FILE} "
+                        f"and {WEIGHTS_FILE}", "InvalidAdapter")
     if not folder.is_dir():
         raise LoRAError(f"adapter folder {folder} does not exist", "NotFound")
     if not path.is_file():
@@ -110,12 +113,30 @@ def _check_config(conf: dict, folder: Path, max_rank: int) -> tuple[int, float]:
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise LoRAError(f"{folder}: r must be a positive integer, got {r!r}")
     if r > max_rank:
-        raise LoRAError(f"{folder}: rank {r} is larger than --max-lora-rank {max_rank}", "RankTooLarge")
+        raise LoRAError(f"{folder}: rank {r} is larger than --max-lora-rank {max_rank}; start the server with "
+                        f"--max-lora-rank {r} or more (at most 64)", "RankTooLarge")
     alpha = conf.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise LoRAError(f"{folder}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
     return r, float(scaling)
+
+
+def _check_rank(folder: Path, name: str, shape: tuple, want: tuple, ab: str, r: int, max_rank: int) -> None:
+    """A tensor whose base dimension fits but whose rank dimension is not the config's ``r``:
+    the adapter's files disagree (``InvalidAdapter``), or its real rank is above ``max_rank``
+    (``RankTooLarge``).  Other shape differences are the caller's (``ShapeMismatch``)."""
+    if len(shape) != 2:
+        return
+    rank_dim, base_dim = (0, 1) if ab == "A" else (1, 0)
+    if shape[base_dim] != want[base_dim] or shape[rank_dim] == r:
+        return
+    got = shape[rank_dim]
+    if got > max_rank:
+        raise LoRAError(f"{folder}: {name} has rank {got} (shape {shape}), larger than --max-lora-rank {max_rank}; "
+                        f"start the server with --max-lora-rank {got} or more", "RankTooLarge")
+    raise LoRAError(f"{folder}: {name} has rank {got} (shape {shape}) but {CONFIG_FILE} says r={r}: the adapter's "
+                    "config and weights do not belong together")
 
 
 def load_peft_adapter(path: str | Path, model_config, max_rank: int) -> LoRAWeights:
@@ -157,6 +178,7 @@ def load_peft_adapter(path: str | Path, model_config, max_rank: int) -> LoRAWeig
                             f"{model_config.num_hidden_layers} layers", "ShapeMismatch")
         fin, fout = shapes[module]
         want = (r, fin) if ab == "A" else (fout, r)
+        _check_rank(folder, name, tuple(t.shape), want, ab, r, max_rank)
         if tuple(t.shape) != want:
             raise LoRAError(f"{folder}: {name} has shape {tuple(t.shape)}, the base model needs {want} (rank {r}): "
                             "the adapter was trained for another base model", "ShapeMismatch")

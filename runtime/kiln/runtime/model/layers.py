@@ -70,6 +70,13 @@ class LinearBase(nn.Module):
             return self.quant_method.apply(self, x)
         return ops.linear(x, self.weight, self.bias, self.kernel_options)
 
+    def full_row_absmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """float32 [T, 1] ``max|x[t, :]|`` over the layer's whole input row when ``x`` [T, in/tp]
+        holds only this rank's part of it (a row-parallel layer at tp > 1), else None: what a
+        per-token activation quantizer (FP8, INT8) scales by, so each rank rounds its shard
+        exactly as one rank rounds the whole row."""
+        return None
+
 
 class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole."""
@@ -178,6 +185,14 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y
+
+    def full_row_absmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shards' per-token ``max|x|`` all-reduced with MAX (float32 [T, 1]); None at tp = 1."""
+        if self.tp_size == 1:
+            return None
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        return amax
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -141,12 +141,21 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp_size, tp_rank) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-3 speculative decoding: the layers whose input (the residual stream, [T, H])
+        # is kept, concatenated, in ``aux_hidden`` [T, len * H] after each forward.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, meta)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

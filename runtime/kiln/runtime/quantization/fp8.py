@@ -54,8 +54,9 @@ DAMP = 0.01  # GPTQ dampening (fraction of mean diag H)
 SMOOTH_ALPHA = 0.5  # SmoothQuant migration strength of the folded smoothing
 
 
-# Symmetric per-row FP8: float [R, C] -> (float8_e4m3fn [R, C], float32 scales [R, 1]) with
-# ``t ≈ q * scale``; the one torch version of the per-token quantizer (``kiln.kernels.reference``).
+# Symmetric per-row FP8: float [R, C] (and optionally the rows' max |t|, float32 [R, 1]) ->
+# (float8_e4m3fn [R, C], float32 scales [R, 1]) with ``t ≈ q * scale``; the one torch version of
+# the per-token quantizer (``kiln.kernels.reference``).
 quantize_rows_fp8 = per_token_quant_fp8_ref
 
 
@@ -74,12 +75,13 @@ class Fp8LinearMethod(LinearMethod):
                                "weight_scale": torch.empty(N, dtype=torch.float32, device=dev)})
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        amax = layer.full_row_absmax(x)  # a row-parallel shard: the whole row's max (TP = 1's scale)
         if _scaled_mm_ok(x, layer):
-            xq, xs = _quant_kernel()(x.contiguous())
+            xq, xs = _quant_kernel()(x.contiguous(), amax)
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
                                  out_dtype=x.dtype, use_fast_accum=True)
             return y if layer.bias is None else y + layer.bias
-        xq, xs = quantize_rows_fp8(x)
+        xq, xs = quantize_rows_fp8(x, amax)
         w = cached_dequant(layer, lambda: (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype))
         return F.linear((xq.float() * xs).to(x.dtype), w, layer.bias)
 

@@ -29,14 +29,18 @@ from .base import LinearMethod, QuantHandler, QuantSettings, cached_dequant, rep
 RUNTIME_SMOOTHED = ("o_proj",)  # linears whose smoothing factor is applied at run time
 
 
-def quantize_rows_int8(t: torch.Tensor, full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(t: torch.Tensor, full_range: bool = False,
+                       amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row INT8: ``t`` float [R, C] -> (int8 [R, C], float32 scales [R, 1]).
 
     ``scale = max|t[r, :]| / 127`` and codes in -127..127 (Kiln's and vLLM's grid), or with
     ``full_range`` compressed-tensors' definition of a symmetric 8-bit scheme, ``max|t| / 127.5``
     with codes clamped to -128..127 (``calculate_qparams``: half the bit range), the grid an
-    llm-compressor ``W8A8`` checkpoint was calibrated against."""
-    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    llm-compressor ``W8A8`` checkpoint was calibrated against.  ``amax`` float32 [R, 1] replaces
+    ``max|t[r, :]|`` when ``t`` is one shard of wider rows (a row-parallel layer's input)."""
+    if amax is None:
+        amax = t.abs().amax(dim=-1, keepdim=True)
+    amax = amax.float().clamp(min=1e-12)
     scale = amax / (127.5 if full_range else 127.0)
     q = torch.round(t.float() / scale).clamp(-128 if full_range else -127, 127).to(torch.int8)
     return q, scale
@@ -112,7 +116,7 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.runtime_smooth:
             x = x * layer.smooth_inv.to(x.dtype)
-        xq, xs = quantize_rows_int8(x, self.full_range)
+        xq, xs = quantize_rows_int8(x, self.full_range, layer.full_row_absmax(x))
         if x.is_cuda and x.dtype != torch.float32:
             T = xq.shape[0]
             if T <= 16:  # torch._int_mm needs more than 16 rows

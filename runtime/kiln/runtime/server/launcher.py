@@ -115,6 +115,9 @@ def run_api_server(info: m.CoreInfo, addresses: CoreAddresses, index: int, opts:
                             format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     sock = sock or bind_socket(opts.host, opts.port)
     tokenizer = load_tokenizer(info.tokenizer)
+    if tokenizer is None and index == 0:
+        log.warning("the model has no tokenizer files: only token-id prompts are served "
+                    "(text prompts, chat, stop strings and structured output get a 400)")
     llm = AsyncLLM(info, AsyncCoreClient(addresses, f"api-{index}"), tokenizer, f"api-{index}")
     app = build_app(llm, api_key=opts.api_key, limits=opts.limits, protect_metrics=opts.protect_metrics,
                     tool_call_parser=opts.tool_call_parser)

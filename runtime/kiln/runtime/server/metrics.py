@@ -37,6 +37,7 @@ class Metrics:
             return built[name].labels(model_name)
 
         self.queue_time = one("kiln_request_queue_time_seconds")
+        self.grammar_time = one("kiln_request_grammar_compile_time_seconds")
         self.ttft = one("kiln_time_to_first_token_seconds")
         self.tpot = one("kiln_time_per_output_token_seconds")
         self.e2e = one("kiln_e2e_request_latency_seconds")
@@ -55,9 +56,14 @@ class Metrics:
         self.detokenize = one("kiln_detokenize_seconds_total")
         self.model_name = model_name
         self._last = {"preempt": 0, "queries": 0, "hits": 0}
+        self._spec_last = None  # the last SpecDecodeStats counts seen (cumulative)
         self._proc = psutil.Process()
 
     # StatLogger
+    def on_grammar_compiled(self, seconds: float) -> None:
+        """A request's grammar compiled, ``seconds`` after its arrival (outside the queue time)."""
+        self.grammar_time.observe(max(0.0, seconds))
+
     def on_scheduled(self, queue_seconds: float) -> None:
         """A request was scheduled for the first time, ``queue_seconds`` after its arrival."""
         self.queue_time.observe(max(0.0, queue_seconds))
@@ -99,6 +105,33 @@ class Metrics:
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
                 self._last[key] = value
+        if getattr(stats, "spec_decode", None) is not None:
+            self._on_spec(stats.spec_decode)
+
+    def _on_spec(self, spec) -> None:
+        """Speculative decoding counters from the core's cumulative ``SpecDecodeStats``."""
+        last = self._spec_last or (0, 0, 0, [], [])
+        b = self._built
+        m = self.model_name
+        for (name, now), before in zip((("kiln_spec_decode_num_drafts_total", spec.num_drafts),
+                                        ("kiln_spec_decode_num_draft_tokens_total", spec.num_draft_tokens),
+                                        ("kiln_spec_decode_num_accepted_tokens_total", spec.num_accepted_tokens)),
+                                       last[:3]):
+            if now > before:
+                b[name].labels(m).inc(now - before)
+        for name, counts, before in (("kiln_spec_decode_num_draft_tokens_per_pos_total", spec.proposed_per_position,
+                                      last[3]),
+                                     ("kiln_spec_decode_num_accepted_tokens_per_pos_total",
+                                      spec.accepted_per_position, last[4])):
+            for i, n in enumerate(counts):
+                prev = before[i] if i < len(before) else 0
+                if n > prev:
+                    b[name].labels(m, str(i)).inc(n - prev)
+        if spec.num_drafts:
+            b["kiln_spec_decode_acceptance_rate"].labels(m).set(spec.acceptance_rate)
+            b["kiln_spec_decode_mean_accepted_length"].labels(m).set(spec.mean_accepted_length)
+        self._spec_last = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           list(spec.proposed_per_position), list(spec.accepted_per_position))
 
     def on_api_stats(self, stats) -> None:
         """An API process's counters (deltas) and resource use (``messages.ApiStats``)."""

@@ -16,6 +16,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from ..structured_output.spec import legacy_structural_tag
 
 
 class StreamOptions(BaseModel):
@@ -93,7 +94,8 @@ class _SamplingFields(BaseModel):
                     raise ValueError("response_format json_schema needs json_schema.schema (a JSON schema object)")
                 found.append(("response_format", StructuredOutputsParams(json=js["schema"])))
             elif kind == "structural_tag":
-                found.append(("response_format", StructuredOutputsParams(structural_tag=json.dumps(rf))))
+                tag = json.dumps(legacy_structural_tag(rf), ensure_ascii=False)
+                found.append(("response_format", StructuredOutputsParams(structural_tag=tag)))
             elif kind != "text":
                 raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema, "
                                  "structural_tag")
@@ -102,11 +104,21 @@ class _SamplingFields(BaseModel):
             for k in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                       "whitespace_pattern", "backend", "_backend", "_backend_was_auto"):
                 so.pop(k, None)  # vLLM's backend options: this server has one backend
-            if isinstance(so.get("structural_tag"), (dict, list)):
-                so["structural_tag"] = json.dumps(so["structural_tag"])
+            tag = so.get("structural_tag")
+            if isinstance(tag, str):
+                try:
+                    tag = json.loads(tag)
+                except json.JSONDecodeError:
+                    pass  # xgrammar's message, at validation
+            if isinstance(tag, dict):
+                so["structural_tag"] = json.dumps(legacy_structural_tag(tag), ensure_ascii=False)
+            unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field {', '.join(map(repr, unknown))} (the fields are "
+                                 f"{', '.join(StructuredOutputsParams.__dataclass_fields__)})")
             try:
                 found.append(("structured_outputs", StructuredOutputsParams(**so)))
-            except TypeError as e:
+            except ValueError as e:
                 raise ValueError(f"structured_outputs: {e}") from None
         for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                          ("guided_grammar", "grammar")):

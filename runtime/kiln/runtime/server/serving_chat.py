@@ -14,7 +14,7 @@ from ..structured_output.tool_parsers import ToolCallStream
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
                        ChatStreamChoice, ChatToolCallsMessageOut, ChatUsageChunk, usage_of)
 from .serving import ServerLimits, ServingBase, collect
-from .tool_calling import ToolPlan, plan_tools, prepare_conversation
+from .tool_calling import ToolPlan, plan_tools, prepare_conversation, stop_repeated_calls
 
 
 class OpenAIServingChat(ServingBase):
@@ -46,6 +46,8 @@ class OpenAIServingChat(ServingBase):
         prompt_ids = await self.llm.run_tokenizer(self.llm.input.apply_chat_template, conv, tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (gen,) = await self.start_all(request, [prompt_ids], params, [rid], lora_name)
+        if plan is not None:
+            gen = stop_repeated_calls(gen, plan.parser, params.n)
         model = req.model or self.model_name
         if req.stream:
             return StreamingResponse(self._stream(rid, model, gen, params.n, req, plan),
@@ -82,7 +84,8 @@ class OpenAIServingChat(ServingBase):
                         delta: dict = {"content": c.delta_text} if c.delta_text else {}
                         reason = c.finish_reason if ends else None
                         if calls is not None:
-                            text, new_calls = calls[c.index].feed(c.delta_text, final=ends)
+                            text, new_calls = calls[c.index].feed(c.delta_text, final=ends, cut=reason == "length",
+                                                                 full=c.text)
                             delta = {"content": text} if text else {}
                             if new_calls:
                                 delta["tool_calls"] = new_calls
@@ -112,8 +115,8 @@ def _message(plan: ToolPlan | None, text: str, finish_reason: str | None):
     request has tools ("tool_calls" when the output ended normally with calls)."""
     if plan is None:
         return ChatMessageOut(text), finish_reason
-    content, calls = plan.parse(text)
+    content, calls = plan.parse(text, cut=finish_reason == "length")
     if not calls:
-        return ChatMessageOut(text), finish_reason
+        return ChatMessageOut(content or ""), finish_reason
     return (ChatToolCallsMessageOut(content, [c.to_openai() for c in calls]),
             "tool_calls" if finish_reason == "stop" else finish_reason)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidRequestError
 from ..processing.input import check_structured_outputs
 from ..sampling_params import StructuredOutputsParams
-from ..structured_output.tool_parsers import ToolCall, ToolParser, get_parser
+from ..outputs import RequestOutput
+from ..structured_output.tool_parsers import ToolCall, ToolParser, get_parser, repeat_cut
 from .protocol import ChatCompletionRequest
 
 
@@ -49,13 +51,13 @@ class ToolPlan:
                                          stop_after_first=self.choice == "named" or not self.parallel)
         return StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A finished output as (content or None, calls)."""
-        p = self.parser.parse(text, final=True)
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """A finished output as (content or None, calls); ``cut``: it ended at max_tokens,
+        so an unfinished last call is dropped, not returned as content."""
+        p = self.parser.parse(text, final=True, cut=cut)
         if not p.calls:
-            return text, []
-        content = p.content.strip()  # with an unfinished last call (max_tokens): its text
-        return content or None, p.calls
+            return p.content, []
+        return p.content.strip() or None, p.calls
 
 
 # OpenAI's rule for function names; anything else could break the parsers' markup
@@ -107,9 +109,14 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
         fns.append({k: f[k] for k in ("name", "description", "parameters") if k in f})
     if named is not None and named not in {f["name"] for f in fns}:
         raise InvalidRequestError(f"tool_choice names function {named!r}, which is not in tools")
-    if choice != "auto" and req.structured() is not None:
-        raise InvalidRequestError("tool_choice required / a named function cannot be combined with "
-                                  "response_format or another output constraint")
+    try:
+        constrained = req.structured() is not None
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if constrained:  # one grammar decides each token: calls in the parser's format, or the constraint
+        raise InvalidRequestError("tools cannot be combined with response_format, structured_outputs or guided_*: "
+                                  "the output is either tool calls or the constrained text (give tool_choice "
+                                  '"none" to keep the constraint)')
     try:
         parser = get_parser(parser_name)
     except ValueError as e:
@@ -143,3 +150,36 @@ def prepare_conversation(conv: list[dict[str, Any]], plan: ToolPlan | None,
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, None
+
+
+async def stop_repeated_calls(gen: AsyncIterator[RequestOutput], parser: ToolParser,
+                              n: int) -> AsyncIterator[RequestOutput]:
+    """``gen``'s outputs, each choice ended (finish_reason "stop", its text up to the calls
+    before) once it repeats a call it made already (``tool_parsers.repeat_cut``): small models
+    loop on a call until max_tokens.  The generation (``n`` choices) is aborted once every
+    choice ended."""
+    cut: dict[int, str] = {}
+    ended: set[int] = set()
+    try:
+        async for out in gen:
+            outs = []
+            for c in out.outputs:
+                if c.index in cut:  # already ended here: nothing new
+                    c = replace(c, text=cut[c.index], delta_text="", delta_token_ids=[], delta_logprobs=[],
+                                finish_reason="stop", stop_reason=None)
+                elif c.finish_reason is None and ("}" in c.delta_text or ">" in c.delta_text):
+                    pos = repeat_cut(parser, c.text)
+                    if pos is not None:
+                        before = len(c.text) - len(c.delta_text)
+                        cut[c.index] = c.text[:pos]
+                        c = replace(c, text=c.text[:pos], delta_text=c.text[before:pos] if pos > before else "",
+                                    finish_reason="stop", stop_reason=None)
+                if c.finish_reason is not None:
+                    ended.add(c.index)
+                outs.append(c)
+            done = bool(cut) and len(ended) == n
+            yield replace(out, outputs=outs, finished=out.finished or done)
+            if done or out.finished:
+                return
+    finally:
+        await gen.aclose()  # an early end aborts the generation

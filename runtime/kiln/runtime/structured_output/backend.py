@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -82,8 +83,13 @@ class GrammarCompilerCache:
             return spec in self._cache
 
 
+#: Compile threads: a grammar that compiles for long holds one, the others keep compiling.
+COMPILE_THREADS = 2
+
+
 class AsyncGrammarCompiler:
-    """Compiles on one worker thread, so the step loop never waits for a compile.
+    """Compiles on ``COMPILE_THREADS`` worker threads, so the step loop never waits for a
+    compile (xgrammar cannot stop a compile once started: a refused one runs to its end).
 
     ``tokenizer_loader`` is called once, on the worker, the first time a grammar is needed
     (the engine core loads the tokenizer only when some request asks for structured output).
@@ -96,16 +102,26 @@ class AsyncGrammarCompiler:
         self._stop = list(stop_token_ids)
         self._cache_size = cache_size
         self._cache: GrammarCompilerCache | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-grammar")
+        self._cache_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kiln-grammar")
+        self.ready_at: float | None = None  # monotonic time the tokenizer setup ended (None before)
 
-    def _compile(self, spec: GrammarSpec):
-        if self._cache is None:
-            self._cache = GrammarCompilerCache(self._loader(), self._vocab_size, self._stop, self._cache_size)
-        return self._cache.get(spec)
+    def _compile(self, spec: GrammarSpec, started: list[float]):
+        with self._cache_lock:
+            if self._cache is None:  # the tokenizer's setup, once (seconds): not the grammar's time
+                self._cache = GrammarCompilerCache(self._loader(), self._vocab_size, self._stop, self._cache_size)
+                self.ready_at = time.monotonic()
+        started.append(time.monotonic())
+        try:
+            return self._cache.get(spec)
+        finally:
+            started.append(time.monotonic())
 
-    def submit(self, spec: GrammarSpec) -> Future:
-        """A future of the compiled grammar (its exception: ValueError for a bad spec)."""
-        return self._pool.submit(self._compile, spec)
+    def submit(self, spec: GrammarSpec) -> tuple[Future, list[float]]:
+        """A future of the compiled grammar (its exception: ValueError for a bad spec), and a
+        list that gets the monotonic times its compile started and ended."""
+        started: list[float] = []
+        return self._pool.submit(self._compile, spec, started), started
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -140,6 +156,12 @@ class GrammarState:
         self.num_accepted += n
         return n
 
+    def accept_token(self, token_id: int) -> bool:
+        """Advance over one token; False (the state unchanged) when it is illegal here."""
+        ok = self._m.accept_token(token_id)
+        self.num_accepted += ok
+        return ok
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens:
@@ -150,6 +172,11 @@ class GrammarState:
         """Write the legal next tokens into ``bitmask[row]`` (int32 [R, ceil(V/32)], host):
         bit ``t % 32`` of word ``t // 32`` is 1 when token t may come next."""
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def matcher(self):
+        """The xgrammar ``GrammarMatcher`` (for the batch fill, ``bitmask.BitmaskFiller``)."""
+        return self._m
 
     @property
     def is_terminated(self) -> bool:

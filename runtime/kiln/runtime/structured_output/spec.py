@@ -101,7 +101,9 @@ def build_grammar(spec: GrammarSpec):
 
     try:
         if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            g = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            _check_meta_schema(spec.text)
+            return g
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if spec.kind == "regex":
@@ -112,11 +114,58 @@ def build_grammar(spec: GrammarSpec):
             return xgr.Grammar.from_lark(spec.text)
         if spec.kind == "structural_tag":
             return xgr.Grammar.from_structural_tag(spec.text)
+    except _SchemaError as e:
+        raise ValueError(f"invalid JSON schema: {e}") from None
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError / ValueError
         what = {"json": "invalid JSON schema", "regex": "invalid regex", "ebnf": "invalid EBNF grammar",
                 "lark": "invalid Lark grammar", "structural_tag": "invalid structural tag"}.get(spec.kind, "invalid")
         raise ValueError(f"{what}: {clean_error(e)}") from None
     raise ValueError(f"unknown grammar kind {spec.kind!r} (one of {', '.join(KINDS)})")
+
+
+class _SchemaError(ValueError):
+    """A schema that xgrammar converts but that breaks JSON Schema's own rules."""
+
+
+def _check_meta_schema(text: str) -> None:
+    """Raises _SchemaError naming the first place where the schema breaks its draft's
+    meta-schema (2020-12 unless ``$schema`` names another), e.g. ``{"anyOf": []}``, which
+    xgrammar turns into a grammar that accepts nothing."""
+    import jsonschema  # noqa: PLC0415
+
+    schema = json.loads(text)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    err = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    if err is not None:
+        raise _SchemaError(f"at {err.json_path}: {err.message}")
+
+
+def legacy_structural_tag(rf: dict) -> dict:
+    """vLLM's / SGLang's older ``response_format`` structural tag, ``{"type": "structural_tag",
+    "structures": [{"begin", "schema", "end"}], "triggers": [...]}``, as xgrammar's
+    ``{"type": "structural_tag", "format": {"type": "triggered_tags", ...}}`` (free text until
+    a trigger, then the tag whose ``begin`` it starts, its content matching ``schema``, up to
+    ``end``); an ``rf`` with ``format`` is returned as it is.
+
+    Raises:
+        ValueError: neither ``format`` nor well-formed ``structures`` and ``triggers``.
+    """
+    if "format" in rf:
+        return rf
+    structures, triggers = rf.get("structures"), rf.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise ValueError('response_format structural_tag needs "format" (xgrammar\'s structural tag) or '
+                         '"structures" and "triggers"')
+    tags = []
+    for i, st in enumerate(structures):
+        if not (isinstance(st, dict) and isinstance(st.get("begin"), str) and isinstance(st.get("end"), str)
+                and isinstance(st.get("schema"), (dict, bool))):
+            raise ValueError(f'response_format structural_tag structures[{i}] needs "begin", "schema" and "end"')
+        tags.append({"type": "tag", "begin": st["begin"],
+                     "content": {"type": "json_schema", "json_schema": st["schema"]}, "end": st["end"]})
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("response_format structural_tag triggers must be non-empty strings")
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 def validate_spec(spec: GrammarSpec) -> None:

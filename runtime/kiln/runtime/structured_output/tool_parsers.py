@@ -44,7 +44,8 @@ class Parsed:
     """``content``: the text outside the calls that is settled (while streaming, text that
     could still turn into a call marker is held back); ``calls``: the calls complete so far;
     ``ok``: False when a final text had a call section that did not parse (then ``content``
-    is the whole text and there are no calls)."""
+    is the whole text and there are no calls) or an unfinished last call.  A final text
+    that max_tokens ``cut`` drops its unfinished last call: that call's text is not content."""
 
     content: str
     calls: list[ToolCall]
@@ -99,7 +100,7 @@ class ToolParser:
     name = ""
     args_key = "arguments"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, cut: bool = False) -> Parsed:
         raise NotImplementedError
 
     def tag(self, name: str, schema: dict) -> dict:
@@ -145,7 +146,7 @@ class HermesToolParser(ToolParser):
     BEGIN, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, cut: bool = False) -> Parsed:
         i = text.find(self.BEGIN)
         if i < 0:
             hold = 0 if final else _partial_suffix(text, self.BEGIN)
@@ -159,16 +160,19 @@ class HermesToolParser(ToolParser):
             calls.append(c)
             last = m.end()
         if final:
-            rest = text[last:].strip()
+            tail = text[last:]
+            rest = tail.strip()
             if rest.startswith(self.BEGIN):  # the last block lost its end tag (a stop or EOS)
                 c = self._decode(rest[len(self.BEGIN):])
                 if c is not None:
                     calls.append(c)
-                    rest = ""
+                    rest = tail = ""
+                elif cut:  # the call max_tokens cut short
+                    return Parsed(text[:i], calls, False)
             if not calls:
                 return Parsed(text, [], False)
-            if rest:  # an unfinished call (max_tokens): the complete calls stay, the rest is text
-                return Parsed(text[:i] + text[last:], calls, False)
+            if rest:  # text after the calls that is not a call: the calls stay, the rest is text
+                return Parsed(text[:i] + tail, calls, False)
         return Parsed(text[:i], calls)
 
     def _decode(self, body: str) -> ToolCall | None:
@@ -195,7 +199,7 @@ class Llama3JsonToolParser(ToolParser):
     separator = "; "
     PYTHON_TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, cut: bool = False) -> Parsed:
         s = text.lstrip()
         if s.startswith(self.PYTHON_TAG):
             s = s[len(self.PYTHON_TAG):].lstrip()
@@ -207,10 +211,10 @@ class Llama3JsonToolParser(ToolParser):
         calls = [_call_of(o, self.args_key) for o in objs]
         if any(c is None for c in calls):
             return Parsed(text, [], False) if final else Parsed("", [])
+        if final and not clean:  # an unfinished call: dropped when max_tokens cut it, else text
+            return Parsed("" if cut else s[pos:], calls, False) if calls or cut else Parsed(text, [], False)
         if final and not calls:
             return Parsed(text, [], False)
-        if final and not clean:  # an unfinished call (max_tokens): the rest is text
-            return Parsed(s[pos:], calls, False)
         return Parsed("", calls)
 
     def tag(self, name: str, schema: dict) -> dict:
@@ -230,7 +234,7 @@ class MistralToolParser(ToolParser):
     BEGIN = "[TOOL_CALLS]"
     separator = ", "
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, cut: bool = False) -> Parsed:
         i = text.find(self.BEGIN)
         if i < 0:
             hold = 0 if final else _partial_suffix(text, self.BEGIN)
@@ -238,16 +242,19 @@ class MistralToolParser(ToolParser):
         j = i + len(self.BEGIN)
         while j < len(text) and text[j].isspace():
             j += 1
+        if j >= len(text) and cut:
+            return Parsed(text[:i], [], False)
         if j >= len(text) or text[j] != "[":
             return Parsed(text, [], False) if final or j < len(text) else Parsed(text[:i], [])
         objs, pos, clean = _decode_objects(text, j + 1, ",", "]")
         calls = [_call_of(o, self.args_key) for o in objs]
         if any(c is None for c in calls):
             return Parsed(text, [], False) if final else Parsed(text[:i], [])
+        if final and not clean and (cut or text[pos:].strip()):  # an unfinished call: dropped when max_tokens cut it
+            return Parsed(text[:i] + ("" if cut else text[pos:]), calls, False) if calls or cut else \
+                Parsed(text, [], False)
         if final and not calls:
             return Parsed(text, [], False)
-        if final and not clean and text[pos:].strip():  # an unfinished call (max_tokens): the rest is text
-            return Parsed(text[:i] + text[pos:], calls, False)
         return Parsed(text[:i], calls)
 
     def tag(self, name: str, schema: dict) -> dict:
@@ -290,10 +297,16 @@ class ToolCallStream:
         self._content_sent = 0
         self.calls_sent: list[ToolCall] = []
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
-        """``(new content text, new tool_call deltas)`` after ``delta``."""
+    def feed(self, delta: str, final: bool = False, cut: bool = False,
+             full: str | None = None) -> tuple[str, list[dict]]:
+        """``(new content text, new tool_call deltas)`` after ``delta`` (``cut``: the output
+        ended at max_tokens, so an unfinished call is dropped; ``full``: the whole text so far,
+        which replaces what was fed when it is shorter: an output ended before text already
+        fed, by ``stop_repeated_calls``)."""
         self.text += delta
-        p = self.parser.parse(self.text, final)
+        if full is not None and len(full) < len(self.text):
+            self.text = full
+        p = self.parser.parse(self.text, final, cut)
         content = p.content[self._content_sent:] if len(p.content) >= self._content_sent else ""
         self._content_sent = max(self._content_sent, len(p.content))
         out = []
@@ -301,3 +314,36 @@ class ToolCallStream:
             self.calls_sent.append(c)
             out.append({"index": k, **c.to_openai()})
         return content, out
+
+
+def _canonical(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def repeat_cut(parser: ToolParser, text: str) -> int | None:
+    """Where to end ``text`` when one of its complete calls repeats an earlier one (same name,
+    same arguments as JSON): the length of the shortest prefix that holds every call before
+    the repeat, or None when no call repeats.  A repeated call is a loop (a model that calls
+    the same function with the same arguments twice in one turn learns nothing new)."""
+    calls = parser.parse(text, final=False).calls
+    seen: set[tuple[str, str]] = set()
+    k = None
+    for idx, c in enumerate(calls):
+        key = (c.name, _canonical(c.arguments))
+        if key in seen:
+            k = idx
+            break
+        seen.add(key)
+    if k is None:
+        return None
+    lo, hi = 0, len(text)  # complete calls only grow with the prefix: the shortest one holding k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(parser.parse(text[:mid], final=False).calls) >= k:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

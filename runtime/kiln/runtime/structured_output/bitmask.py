@@ -1,0 +1,143 @@
+"""The step's token bitmask: filled on the host on a worker thread while the step loop's
+thread goes on, uploaded to the device without blocking, applied by the sampler.
+
+``BitmaskFiller.start`` hands the grammar states of a step's constrained rows to one worker
+thread, which fills rows ``0..G-1`` of a persistent host buffer with xgrammar's
+``BatchGrammarMatcher.batch_fill_next_token_bitmask`` (one call for the batch; xgrammar's
+calls release the GIL through tvm-ffi, and the batch call spreads its rows over ``threads``
+C++ threads).  Meanwhile the step loop launches the forward pass, reads back the previous
+step and plans the next one; the sampler's launch then waits for the fill
+(``GrammarMask.to_device``).  That wait is the fill time the overlap did not hide, counted
+in ``wait_seconds`` beside the fill's own time ``fill_seconds``.
+
+Two host buffers are used in turn.  Before the worker writes one it waits for the CUDA
+event recorded after that buffer's last host -> device copy, so a step's mask can be filled
+while the previous step's copy is still queued; at most one step is in flight, so the other
+buffer's copy (two steps back) is always complete by then.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+def default_fill_threads() -> int:
+    """C++ threads of one batch fill: a quarter of this process's CPUs, 1 to 4 (the step
+    loop's thread, the tokenizer and the compile threads need the others)."""
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        ncpu = os.cpu_count() or 1
+    return max(1, min(4, ncpu // 4))
+
+
+class GrammarMask:
+    """One step's bitmask, possibly still being filled.
+
+    Row ``i`` of the bitmask (int32 ``[G, ceil(V/32)]``, xgrammar's layout: bit ``t % 32``
+    of word ``t // 32`` is 1 when token t may come next) belongs to ``request_ids[i]``; a
+    sampled row without an entry here is not constrained.
+    """
+
+    def __init__(self, filler: "BitmaskFiller", slot: int, request_ids: list[str], buffer: torch.Tensor,
+                 future: Future):
+        self.request_ids = request_ids
+        self._filler = filler
+        self._slot = slot
+        self._buffer = buffer
+        self._future = future
+
+    @property
+    def ready(self) -> bool:
+        """The fill has ended (``result()`` returns without waiting)."""
+        return self._future.done()
+
+    def result(self) -> torch.Tensor:
+        """The filled host rows int32 [G, W] (a view of the persistent buffer); waits for the
+        fill, the wait counted in the filler's ``wait_seconds``.
+
+        Raises:
+            RuntimeError: xgrammar refused the fill (its message).
+        """
+        if not self._future.done():
+            t0 = time.perf_counter()
+            self._future.result()
+            self._filler.wait_seconds += time.perf_counter() - t0
+        else:
+            self._future.result()  # its exception, if any
+        return self._buffer
+
+    def to_device(self, device: torch.device) -> torch.Tensor:
+        """The bitmask on ``device``: ``result()`` then a non-blocking copy from pinned memory
+        (CUDA), after which an event marks when the host buffer may be written again; on the
+        CPU the host rows themselves."""
+        host = self.result()
+        if device.type != "cuda":
+            return host
+        dev = host.to(device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._filler._copied[self._slot] = ev
+        return dev
+
+
+class BitmaskFiller:
+    """Persistent host bitmask buffers and the worker thread that fills them.
+
+    Args:
+        width: int32 words per row (``ceil(vocab_size / 32)``).
+        pin_memory: allocate the buffers in pinned memory (CUDA: asynchronous uploads).
+        threads: C++ threads of one batch fill (default ``default_fill_threads()``).
+    """
+
+    def __init__(self, width: int, pin_memory: bool = False, threads: int | None = None):
+        import xgrammar as xgr  # noqa: PLC0415
+
+        self.width = width
+        self.pin_memory = pin_memory
+        self.threads = threads or default_fill_threads()
+        self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-bitmask")
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        #: fills started; seconds the worker spent filling; seconds the step loop waited for one
+        self.num_fills = 0
+        self.fill_seconds = 0.0
+        self.wait_seconds = 0.0
+
+    def _buffer(self, slot: int, rows: int) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.shape[0] < rows:
+            cap = max(8, rows, 2 * (buf.shape[0] if buf is not None else 0))
+            buf = torch.empty((cap, self.width), dtype=torch.int32, pin_memory=self.pin_memory)
+            self._buffers[slot] = buf
+            self._copied[slot] = None  # a new buffer: no copy reads it
+        return buf
+
+    def start(self, request_ids: list[str], matchers: list) -> GrammarMask:
+        """Start filling the rows of ``request_ids`` (one xgrammar ``GrammarMatcher`` each,
+        none terminated) on the worker; returns at once.  The matchers must not advance until
+        the mask's ``result()`` returned (the engine core accepts a step's tokens only after
+        that step sampled, which waits for its mask)."""
+        slot = self._turn = 1 - self._turn
+        buf = self._buffer(slot, len(matchers))[: len(matchers)]
+        copied = self._copied[slot]
+        self._copied[slot] = None
+        self.num_fills += 1
+
+        def fill() -> None:
+            t0 = time.perf_counter()
+            if copied is not None:
+                copied.synchronize()  # the buffer's previous upload is done reading it
+            self._batch.batch_fill_next_token_bitmask(matchers, buf)
+            self.fill_seconds += time.perf_counter() - t0
+
+        return GrammarMask(self, slot, list(request_ids), buf, self._pool.submit(fill))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
