@@ -314,3 +314,111 @@ def test_metrics_expose_spec_decode_counters():
     assert 'kiln_spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
     assert 'kiln_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
     assert 'kiln_spec_decode_mean_accepted_length{model_name="m"} 2.0' in text
+
+
+# ---- grammars over draft positions ------------------------------------------------------
+def test_draft_rows_are_the_grammar_after_each_draft_and_leave_the_state_unchanged():
+    """``fill_draft_rows``: row j is what a fresh matcher allows after drafts 1..j; after a
+    refused draft the rows are all ones; the matcher ends where it began."""
+    import torch
+    import xgrammar as xgr
+
+    from kiln.runtime.structured_output.backend import GrammarCompilerCache, GrammarState, bitmask_width
+    from kiln.runtime.structured_output.bitmask import fill_draft_rows
+    from kiln.runtime.structured_output.spec import GrammarSpec
+    from kiln.runtime.synthetic_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(4096, 1, [2])
+    cache = GrammarCompilerCache(tok, 4096, [2])
+    compiled = cache.get(GrammarSpec("regex", "(ab|cd)[0-9]{2}x"))
+    ids = [tok.convert_tokens_to_ids(c) for c in "abcd0123x"]
+    a, b, c, d, zero, one, two, three, x = ids
+    W = bitmask_width(4096)
+
+    def expect(prefix):
+        m = xgr.GrammarMatcher(compiled)
+        for t in prefix:
+            assert m.accept_token(t)
+        out = torch.zeros((1, W), dtype=torch.int32)
+        m.fill_next_token_bitmask(out, 0)
+        return out[0]
+
+    st = GrammarState(compiled)
+    assert st.accept_token(a)
+    before = expect([a])
+    for drafts, legal in [([b, one, two, x], 4), ([b, one, d, x], 2), ([c], 0), ([b, one], 2)]:
+        buf = torch.zeros((len(drafts) + 1, W), dtype=torch.int32)
+        fill_draft_rows(st.matcher, drafts, buf, 0)
+        for j in range(len(drafts) + 1):
+            if j <= legal:
+                assert torch.equal(buf[j], expect([a] + drafts[:j])), (drafts, j)
+            else:
+                assert (buf[j] == -1).all(), (drafts, j)
+        probe = torch.zeros((1, W), dtype=torch.int32)
+        st.fill_bitmask(probe, 0)
+        assert torch.equal(probe[0], before) and st.num_accepted == 1  # rolled back
+
+
+def test_verification_under_a_bitmask_rejects_drafts_outside_the_grammar():
+    import torch
+
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.rejection_sampler import verify_on_device
+    from kiln.runtime.sampler import SamplingRow
+
+    V = 64
+    logits = torch.zeros((4, V))
+    logits[:, 5] = 10.0  # the unconstrained argmax everywhere
+    logits[:, 7] = 5.0
+    bitmask = torch.full((4, 2), -1, dtype=torch.int32)
+    bitmask[2, 0] &= ~(1 << 5)  # position 2 forbids token 5
+    greedy = SamplingRow(SamplingParams(temperature=0.0), [1], [], None, None)
+    res = verify_on_device(logits.clone(), [greedy], [[5, 5, 5]], None, bitmask).materialize()
+    assert res.token_ids == [[5, 5, 7]] and res.num_accepted == [2]  # the third draft is illegal
+    sampled = SamplingRow(SamplingParams(temperature=1.0), [1], [], None, None)
+    for _ in range(20):
+        res = verify_on_device(logits.clone(), [sampled], [[5, 5, 5]], None, bitmask).materialize()
+        run = res.token_ids[0]
+        assert len(run) <= 3 or run[2] != 5, run  # never the forbidden token at position 2
+
+
+def test_ngram_with_grammars_greedy_parity_and_drafts_accepted():
+    """Greedy outputs under a JSON schema, a regex and a choice are token for token those of
+    decoding without drafts, drafts are accepted on the copy-heavy prompt, and every output
+    matches its constraint; batched and one by one, with asynchronous scheduling."""
+    import json
+    import re
+
+    import jsonschema
+
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.sampling_params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 120}},
+              "required": ["text"], "additionalProperties": False}
+    regex = r"(The (quick|lazy) [a-z]+ ?){1,6}\."
+    prompts = [f"Repeat the text as JSON {{\"text\": ...}}.\nText: {COPY_TEXT}\nJSON: {{\"text\": \"{COPY_TEXT[:30]}",
+               f"Copy: {COPY_TEXT}\nCopy: The quick",
+               "Is the sky blue? Answer yes or no:"]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=SO(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex=regex)),
+              SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=SO(choice=["yes", "no"]))]
+    base = LLM(num_kv_blocks=64, max_num_batched_tokens=128)
+    want = [base.generate([p], sp)[0].outputs[0] for p, sp in zip(prompts, params)]
+    spec = _spec_llm(async_scheduling=True)
+    got = [spec.generate([p], sp)[0].outputs[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = spec.engine.core.spec.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    batched = [o.outputs[0] for o in spec.generate(prompts, params)]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in want]
+    for o, sp in zip(batched, params):
+        if o.finish_reason != "stop":
+            continue
+        if sp.structured_outputs.json is not None:
+            jsonschema.validate(json.loads(o.text), schema)
+        elif sp.structured_outputs.regex is not None:
+            assert re.fullmatch(regex, o.text), o.text
+        else:
+            assert o.text in ("yes", "no")
+    assert spec.engine.scheduler.kv_cache_manager.num_used_blocks == 0

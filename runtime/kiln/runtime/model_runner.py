@@ -421,10 +421,26 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"grammar bitmask rows {missing[:3]} are not sampled rows of this step")
         rows = [pos[rid] for rid in mask.request_ids]
-        bitmask = mask.to_device(self.device)
+        bitmask = mask.to_device(self.device)[: len(rows)]  # the rows after: draft positions
         if len(rows) == len(ids) and all(r == j for j, r in enumerate(rows)):
             return bitmask, None
         return bitmask, self.h2d(rows, torch.int64)
+
+    def draft_mask_on_device(self, mask, ids: list[str], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``GrammarMask``'s draft-position rows for sequences ``ids`` that verify drafts,
+        whose logits rows are contiguous, ``counts[i]`` (k + 1) each, in ``ids`` order: the
+        bitmask rows int32 [D, W] on the device and the logits row of each (int64 [D])."""
+        start, sel, rows = 0, [], []
+        for rid, n in zip(ids, counts):
+            first, m = mask.draft_rows.get(rid, (None, 0))
+            if first is not None:
+                if m != n:
+                    raise RuntimeError(f"grammar bitmask of {rid!r} has {m} draft rows, the step verifies {n}")
+                sel.extend(range(first, first + n))
+                rows.extend(range(start, start + n))
+            start += n
+        bitmask = mask.to_device(self.device)
+        return bitmask.index_select(0, self.h2d(sel, torch.int64)), self.h2d(rows, torch.int64)
 
     def _forward_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
         """The forward pass of a step (graph replay or eager) and the float32 logits [S, vocab]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import SamplingRow, _filter_batch, _index, greedy_argmax, sample_on_device
+from .sampler import SamplingRow, _filter_batch, _index, apply_token_bitmask, greedy_argmax, sample_on_device
 
 
 @dataclass
@@ -118,17 +118,24 @@ class MixedVerify:
 
 
 def verify_on_device(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
-                     draft_probs: list[torch.Tensor | None] | None = None) -> DeviceVerify:
+                     draft_probs: list[torch.Tensor | None] | None = None,
+                     token_bitmask: torch.Tensor | None = None,
+                     bitmask_rows: torch.Tensor | None = None) -> DeviceVerify:
     """Verify every sequence's drafts without a host read.
 
     Args:
         logits: float32 [T, V], ``T = sum(len(d) + 1 for d in drafts)``; sequence i's rows are
             contiguous, in ``rows`` order (modified in place).
-        rows: one sampling row per sequence (no penalties, banned ids or grammar: the engine
-            proposes no drafts for such sequences).
+        rows: one sampling row per sequence (no penalties or banned ids: the engine proposes
+            no drafts for such sequences).
         drafts: the draft token ids per sequence (may be empty: plain sampling).
         draft_probs: per sequence None (point-mass drafts) or float32 [len(d), V], the
             draft model's distribution each draft was drawn from.
+        token_bitmask: int32 [G, ceil(V/32)] on the device: the grammars' legal tokens at
+            the logits rows ``bitmask_rows`` (int64 [G]; None: G == T in order), applied after
+            the raw log-probabilities and the logit bias, before the acceptance tests, so the
+            target distribution verified against is the constrained one (a draft outside its
+            grammar has probability 0 there and is rejected).
     Returns:
         A :class:`DeviceVerify`.
     Raises:
@@ -149,6 +156,8 @@ def verify_on_device(logits: torch.Tensor, rows: list[SamplingRow], drafts: list
             ids = _index(list(r.params.logit_bias), dev)
             vals = torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype).to(dev)
             logits[start:start + counts[i]].index_add_(1, ids, vals.unsqueeze(0).expand(counts[i], -1))
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask, bitmask_rows)
     nxt_t = _index([max(t, 0) for t in nxt], dev)
     candidate = greedy_argmax(logits)
     accept = candidate == nxt_t
@@ -218,9 +227,9 @@ def _rejection_rows(logits, rows, drafts, draft_probs, counts, sampled, candidat
 def verify_step(runner, out, logits: torch.Tensor, ids: list[str], rows: dict[str, SamplingRow], draft_probs: dict,
                 grammar_mask=None) -> tuple[list[str], MixedVerify]:
     """The sampling of a step that verifies drafts: sequences with drafts through
-    :func:`verify_on_device`, the others (no drafts: penalties, grammars, prefill ends...)
-    through the plain sampler (with the rows of ``grammar_mask``, a
-    ``structured_output.bitmask.GrammarMask``, whose sequences are all plain ones).
+    :func:`verify_on_device`, the others (no drafts: penalties, prefill ends...) through the
+    plain sampler; ``grammar_mask`` (a ``structured_output.bitmask.GrammarMask``) holds a
+    row per plain sequence with a grammar and a row per position of each verifying one.
 
     Args:
         runner: the ``ModelRunner`` (device, host-to-device copies).
@@ -250,12 +259,16 @@ def verify_step(runner, out, logits: torch.Tensor, ids: list[str], rows: dict[st
     ds = dv = None
     if plain_ids:
         bitmask = mask_rows = None
-        if grammar_mask is not None:
+        if grammar_mask is not None and grammar_mask.request_ids:
             bitmask, mask_rows = runner.mask_on_device(grammar_mask, plain_ids)
         ds = sample_on_device(logits.index_select(0, runner.h2d(plain_rows, torch.int64)),
                               [rows[i] for i in plain_ids], bitmask, mask_rows)
     if spec_ids:
         drafts = [list(by_id[i].spec_token_ids) for i in spec_ids]
         sub = logits if not plain_ids else logits.index_select(0, runner.h2d(spec_rows, torch.int64))
-        dv = verify_on_device(sub, [rows[i] for i in spec_ids], drafts, [draft_probs.get(i) for i in spec_ids])
+        bitmask = mask_rows = None
+        if grammar_mask is not None and any(i in grammar_mask.draft_rows for i in spec_ids):
+            bitmask, mask_rows = runner.draft_mask_on_device(grammar_mask, spec_ids, [len(d) + 1 for d in drafts])
+        dv = verify_on_device(sub, [rows[i] for i in spec_ids], drafts, [draft_probs.get(i) for i in spec_ids],
+                              bitmask, mask_rows)
     return plain_ids + spec_ids, MixedVerify(ds, dv)

@@ -310,8 +310,8 @@ class EngineCore:
         if not out.scheduled:
             return outputs
         rows = self._sampling_rows(out)
-        mask = self.grammars.start_fill(out)  # filled while the drafts and the forward pass run
         probs = self.spec.fill(out, rows)
+        mask = self.grammars.start_fill(out)  # the drafts in place; filled while the forward pass runs
         res = self.runner.execute(out, rows, (lambda: mask) if mask is not None else None, probs)
         return outputs + self._process(out, res)
 

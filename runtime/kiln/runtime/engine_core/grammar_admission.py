@@ -126,10 +126,12 @@ class GrammarAdmission:
 
     def start_fill(self, out: SchedulerOutput) -> GrammarMask | None:
         """Start the bitmask fill of ``out``'s sampled sequences with a live grammar (on the
-        worker thread); None when there is none."""
+        worker thread), a row per position for those that verify drafts (their drafts must be
+        in place: after a model proposer wrote them); None when there is none."""
         if self.manager is None or not self.manager.num_states:
             return None
-        return self.manager.start_fill([sr.request.request_id for sr in out.scheduled if sr.needs_sample])
+        drafts = {sr.request.request_id: list(sr.spec_token_ids) for sr in out.scheduled if sr.spec_token_ids}
+        return self.manager.start_fill([sr.request.request_id for sr in out.scheduled if sr.needs_sample], drafts)
 
     def mask_after(self, out: SchedulerOutput, read_back: Callable[[], None]) -> Callable[[], GrammarMask | None]:
         """The ``grammar_mask`` callback of an asynchronous step: ``read_back`` (the previous

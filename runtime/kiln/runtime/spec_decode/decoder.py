@@ -11,9 +11,12 @@ Per step, while at most ``SpeculativeConfig.max_batch_size`` sequences run:
    its model over the target's block tables) and returns its draft distributions.
 4. the target verifies (``ModelRunner``/``rejection_sampler``); ``on_verified`` counts.
 
-A sequence speculates unless its sampling reads its own history or constrains each token:
-repetition / presence / frequency penalties, a grammar, ``min_tokens`` not reached yet (the
-sampler bans EOS per step).  Those decode one token per step beside the others.
+A sequence speculates unless its sampling reads its own history or bans tokens per step:
+repetition / presence / frequency penalties, ``min_tokens`` not reached yet (the sampler bans
+EOS per step).  Those decode one token per step beside the others.  A sequence with a grammar
+speculates: its bitmask has a row per position, filled by advancing the grammar over the
+drafts (``structured_output.bitmask.fill_draft_rows``), and the verification masks each
+position's logits, so a draft the grammar refuses is rejected and every kept token is legal.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class SpecDecoder:
     def eligible(req: Request, params) -> bool:
         """A decoding sequence whose sampling allows drafts (see the module docstring)."""
         return (req.num_tokens - req.num_computed_tokens == 1 and not req.num_output_placeholders
-                and not params.has_penalties and params.structured_outputs is None
+                and not params.has_penalties
                 and req.num_output_tokens >= params.min_tokens
                 and req.num_output_tokens + 1 < req.max_tokens)
 

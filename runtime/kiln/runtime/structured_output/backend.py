@@ -132,17 +132,16 @@ class GrammarState:
 
     The verbs are the ones speculative decoding needs: ``accept_tokens`` advances over a run
     of tokens and says how many were legal, ``rollback`` undoes the last ``n`` accepted
-    tokens (up to ``max_rollback_tokens``), ``fill_bitmask`` writes the legal next tokens.
+    tokens (xgrammar keeps the whole history), ``fill_bitmask`` writes the legal next tokens.
 
     Args:
         compiled: an xgrammar ``CompiledGrammar``.
-        max_rollback_tokens: how far ``rollback`` can go (draft length of speculative decoding).
     """
 
-    def __init__(self, compiled, max_rollback_tokens: int = 0):
+    def __init__(self, compiled):
         import xgrammar as xgr  # noqa: PLC0415
 
-        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+        self._m = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
 
     def accept_tokens(self, token_ids: list[int]) -> int:

@@ -10,6 +10,10 @@ step and plans the next one; the sampler's launch then waits for the fill
 (``GrammarMask.to_device``).  That wait is the fill time the overlap did not hide, counted
 in ``wait_seconds`` beside the fill's own time ``fill_seconds``.
 
+A sequence that verifies drafts (speculative decoding) gets one row per position: the legal
+tokens after its last token and after each draft, filled by advancing its grammar over the
+drafts on the worker and rolling it back after (``BitmaskFiller.start``'s ``draft_runs``).
+
 Two host buffers are used in turn.  Before the worker writes one it waits for the CUDA
 event recorded after that buffer's last host -> device copy, so a step's mask can be filled
 while the previous step's copy is still queued; at most one step is in flight, so the other
@@ -38,18 +42,23 @@ def default_fill_threads() -> int:
 class GrammarMask:
     """One step's bitmask, possibly still being filled.
 
-    Row ``i`` of the bitmask (int32 ``[G, ceil(V/32)]``, xgrammar's layout: bit ``t % 32``
-    of word ``t // 32`` is 1 when token t may come next) belongs to ``request_ids[i]``; a
-    sampled row without an entry here is not constrained.
+    Row ``i < len(request_ids)`` of the bitmask (int32 ``[G, ceil(V/32)]``, xgrammar's
+    layout: bit ``t % 32`` of word ``t // 32`` is 1 when token t may come next) belongs to
+    ``request_ids[i]``; the rows after them belong to sequences that verify drafts:
+    ``draft_rows[id] = (first row, k + 1)``, one row per position (rows after a draft the
+    grammar refuses are all ones: that draft is rejected, so they are never read).  A sampled
+    row without an entry here is not constrained.
     """
 
     def __init__(self, filler: "BitmaskFiller", slot: int, request_ids: list[str], buffer: torch.Tensor,
-                 future: Future):
+                 future: Future, draft_rows: dict[str, tuple[int, int]] | None = None):
         self.request_ids = request_ids
+        self.draft_rows = draft_rows or {}
         self._filler = filler
         self._slot = slot
         self._buffer = buffer
         self._future = future
+        self._device: torch.Tensor | None = None
 
     @property
     def ready(self) -> bool:
@@ -73,16 +82,42 @@ class GrammarMask:
 
     def to_device(self, device: torch.device) -> torch.Tensor:
         """The bitmask on ``device``: ``result()`` then a non-blocking copy from pinned memory
-        (CUDA), after which an event marks when the host buffer may be written again; on the
-        CPU the host rows themselves."""
+        (CUDA, once: later calls return the same tensor), after which an event marks when the
+        host buffer may be written again; on the CPU the host rows themselves."""
         host = self.result()
         if device.type != "cuda":
             return host
-        dev = host.to(device, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._filler._copied[self._slot] = ev
-        return dev
+        if self._device is None:
+            self._device = host.to(device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._filler._copied[self._slot] = ev
+        return self._device
+
+
+def fill_draft_rows(matcher, drafts: list[int], buf: torch.Tensor, first: int) -> None:
+    """Rows ``first .. first + len(drafts)`` of ``buf`` (int32 [R, W], host): the legal next
+    tokens of ``matcher`` (an xgrammar ``GrammarMatcher``) now and after each draft in turn.
+    After a draft the grammar refuses, or once it ended (a stop token accepted), the rows
+    left are all ones (no draft after it can be accepted, so they are never read).  The
+    matcher is rolled back over the drafts it accepted, so it ends where it began."""
+    accepted = 0
+    j = 0
+    for j in range(len(drafts) + 1):
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(buf, first + j)
+        if j == len(drafts):
+            j += 1
+            break
+        if not matcher.accept_token(int(drafts[j])):
+            j += 1
+            break
+        accepted += 1
+    if j <= len(drafts):
+        buf[first + j: first + len(drafts) + 1].fill_(-1)
+    if accepted:
+        matcher.rollback(accepted)
 
 
 class BitmaskFiller:
@@ -119,25 +154,39 @@ class BitmaskFiller:
             self._copied[slot] = None  # a new buffer: no copy reads it
         return buf
 
-    def start(self, request_ids: list[str], matchers: list) -> GrammarMask:
+    def start(self, request_ids: list[str], matchers: list,
+              draft_runs: list[tuple[str, object, list[int]]] = ()) -> GrammarMask:
         """Start filling the rows of ``request_ids`` (one xgrammar ``GrammarMatcher`` each,
-        none terminated) on the worker; returns at once.  The matchers must not advance until
-        the mask's ``result()`` returned (the engine core accepts a step's tokens only after
-        that step sampled, which waits for its mask)."""
+        none terminated) and of ``draft_runs`` (``(id, matcher, drafts)``: ``len(drafts) + 1``
+        rows each, the legal tokens after the sequence's last token and after each draft) on
+        the worker; returns at once.  The matchers must not advance until the mask's
+        ``result()`` returned (the engine core accepts a step's tokens only after that step
+        sampled, which waits for its mask); a draft run's matcher is back where it was once
+        the fill ended."""
+        draft_rows: dict[str, tuple[int, int]] = {}
+        row = len(matchers)
+        for rid, _, drafts in draft_runs:
+            draft_rows[rid] = (row, len(drafts) + 1)
+            row += len(drafts) + 1
         slot = self._turn = 1 - self._turn
-        buf = self._buffer(slot, len(matchers))[: len(matchers)]
+        buf = self._buffer(slot, row)[:row]
         copied = self._copied[slot]
         self._copied[slot] = None
         self.num_fills += 1
+        runs = [(m, list(d), draft_rows[rid][0]) for rid, m, d in draft_runs]
 
         def fill() -> None:
             t0 = time.perf_counter()
             if copied is not None:
                 copied.synchronize()  # the buffer's previous upload is done reading it
-            self._batch.batch_fill_next_token_bitmask(matchers, buf)
+            if matchers:
+                self._batch.batch_fill_next_token_bitmask(matchers, buf[: len(matchers)])
+            with torch.inference_mode():  # the buffer may be an inference tensor (made in a step)
+                for m, drafts, first in runs:
+                    fill_draft_rows(m, drafts, buf, first)
             self.fill_seconds += time.perf_counter() - t0
 
-        return GrammarMask(self, slot, list(request_ids), buf, self._pool.submit(fill))
+        return GrammarMask(self, slot, list(request_ids), buf, self._pool.submit(fill), draft_rows)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

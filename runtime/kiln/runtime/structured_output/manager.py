@@ -33,18 +33,16 @@ class StructuredOutputManager:
         vocab_size: the logits' width.
         stop_token_ids: EOS ids (a complete grammar allows only these).
         pin_memory: allocate bitmasks in pinned host memory (CUDA: asynchronous uploads).
-        max_rollback_tokens: rollback depth of each state (speculative decoding's draft length).
         compile_timeout: seconds of compiling after which a grammar is refused.
         fill_threads: C++ threads of one step's bitmask fill (default:
             ``bitmask.default_fill_threads()``).
     """
 
     def __init__(self, tokenizer_loader, vocab_size: int, stop_token_ids: list[int], pin_memory: bool = False,
-                 max_rollback_tokens: int = 0, compile_timeout: float = 10.0, fill_threads: int | None = None):
+                 compile_timeout: float = 10.0, fill_threads: int | None = None):
         self.vocab_size = vocab_size
         self.width = bitmask_width(vocab_size)
         self.pin_memory = pin_memory
-        self.max_rollback_tokens = max_rollback_tokens
         self._compiler = AsyncGrammarCompiler(tokenizer_loader, vocab_size, stop_token_ids)
         self._stop: frozenset[int] | None = None  # the compiled grammars' stop tokens
         self.compile_timeout = compile_timeout
@@ -90,7 +88,7 @@ class StructuredOutputManager:
                 compiled = fut.result()
                 if self._stop is None:  # xgrammar's (EOS ids, or the tokenizer's when none are given)
                     self._stop = frozenset(compiled.tokenizer_info.stop_token_ids)
-                self._states[rid] = GrammarState(compiled, self.max_rollback_tokens)
+                self._states[rid] = GrammarState(compiled)
                 ready.append((rid, now - t0))
             except Exception as e:  # a spec the API process let through but the core cannot compile
                 failed.append((rid, str(e)))
@@ -109,23 +107,29 @@ class StructuredOutputManager:
         return request_id in self._states
 
     # -- steps -----------------------------------------------------------------------------
-    def start_fill(self, request_ids: list[str]) -> GrammarMask | None:
+    def start_fill(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarMask | None:
         """Start filling the bitmask rows of those of ``request_ids`` (a step's sampled
         sequences) that have a grammar; returns at once (the fill runs on a worker thread)
         with the step's :class:`GrammarMask`, or None when no row is constrained.  Rows of
-        sequences without a grammar get no bitmask row.  (A complete grammar's state is gone
-        already: ``accept`` drops it.)"""
-        ids, matchers = [], []
+        sequences without a grammar get no bitmask row.  A sequence with ``drafts[id]`` (the
+        draft tokens it verifies this step) gets a row per position.  (A complete grammar's
+        state is gone already: ``accept`` drops it.)"""
+        ids, matchers, runs = [], [], []
+        drafts = drafts or {}
         for rid in request_ids:
             st = self._states.get(rid)
-            if st is not None:
+            if st is None:
+                continue
+            if drafts.get(rid):
+                runs.append((rid, st.matcher, drafts[rid]))
+            else:
                 ids.append(rid)
                 matchers.append(st.matcher)
-        if not ids:
+        if not ids and not runs:
             return None
         if self._filler is None:
             self._filler = BitmaskFiller(self.width, self.pin_memory, self._fill_threads)
-        return self._filler.start(ids, matchers)
+        return self._filler.start(ids, matchers, runs)
 
     @property
     def filler(self) -> BitmaskFiller | None:
