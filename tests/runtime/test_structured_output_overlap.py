@@ -148,3 +148,21 @@ def test_constrained_outputs_same_sync_async_and_with_drafts(tiny_model):
     assert sum(reason == "stop" for _, _, reason in sync.values()) >= 3  # grammars ran to their end
     assert _run(tiny_model, async_scheduling=True) == sync
     assert _run(tiny_model, async_scheduling=False, speculative_method="ngram", num_speculative_tokens=3) == sync
+
+
+def test_a_filler_lowers_the_switch_interval_so_its_worker_can_start_during_the_step():
+    import sys
+
+    from kiln.runtime.structured_output.bitmask import FILL_SWITCH_INTERVAL_S, BitmaskFiller
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        f = BitmaskFiller(8)
+        assert sys.getswitchinterval() == pytest.approx(FILL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(FILL_SWITCH_INTERVAL_S / 2)
+        BitmaskFiller(8).shutdown()  # never raised again
+        assert sys.getswitchinterval() == pytest.approx(FILL_SWITCH_INTERVAL_S / 2)
+        f.shutdown()
+    finally:
+        sys.setswitchinterval(old)

@@ -14,6 +14,13 @@ A sequence that verifies drafts (speculative decoding) gets one row per position
 tokens after its last token and after each draft, filled by advancing its grammar over the
 drafts on the worker and rolling it back after (``BitmaskFiller.start``'s ``draft_runs``).
 
+The worker needs the interpreter lock to start a fill, and the step loop holds it while it
+runs Python (handing out outputs, planning); at CPython's default switch interval (5 ms) the
+worker would get it only when the step loop blocks, which is at the wait for the mask
+itself, and nothing would overlap.  A filler therefore lowers the process's switch interval
+to ``FILL_SWITCH_INTERVAL_S`` (``benchmarks/fill_start_latency.py`` measures the start
+delay at both intervals).
+
 Two host buffers are used in turn.  Before the worker writes one it waits for the CUDA
 event recorded after that buffer's last host -> device copy, so a step's mask can be filled
 while the previous step's copy is still queued; at most one step is in flight, so the other
@@ -23,10 +30,16 @@ buffer's copy (two steps back) is always complete by then.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+
+#: The interpreter's thread switch interval (seconds) while a bitmask filler exists: how long
+#: a worker that was handed a fill waits at most for the step loop to let it run.
+FILL_SWITCH_INTERVAL_S = 1e-4
 
 
 def default_fill_threads() -> int:
@@ -121,7 +134,9 @@ def fill_draft_rows(matcher, drafts: list[int], buf: torch.Tensor, first: int) -
 
 
 class BitmaskFiller:
-    """Persistent host bitmask buffers and the worker thread that fills them.
+    """Persistent host bitmask buffers and the worker thread that fills them (making one
+    lowers the interpreter's switch interval to ``FILL_SWITCH_INTERVAL_S``, see the module
+    docstring).
 
     Args:
         width: int32 words per row (``ceil(vocab_size / 32)``).
@@ -136,6 +151,8 @@ class BitmaskFiller:
         self.pin_memory = pin_memory
         self.threads = threads or default_fill_threads()
         self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        if sys.getswitchinterval() > FILL_SWITCH_INTERVAL_S:  # process-wide; only ever lowered
+            sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-bitmask")
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
