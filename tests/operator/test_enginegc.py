@@ -3,6 +3,7 @@ real folders) and the janitor against the in-memory API."""
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -110,11 +111,22 @@ def test_collect_deletes_what_it_is_told_never_an_engine_being_built(tmp_path):
 def test_kiln_engines_gc_and_list_on_a_folder(tmp_path, capsys):
     _engine(tmp_path, H1, size=3000)
     _engine(tmp_path, H2, complete=False)
+    head = tmp_path / H3  # what `kiln head fetch` writes: config, weights, the completion marker
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    (head / "model.safetensors").write_bytes(b"\0" * 10)
+    (head / ".kiln-complete").write_text("")
     term = tmp_path / "term"
     term.write_text("")
     assert engines_main(["list", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert H1 in out and "complete" in out and "incomplete" in out
+    lines = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:]}
+    assert lines[H1][1] == "engine" and lines[H1][-1] == "complete"
+    assert lines[H2][-1] == "incomplete" and lines[H3][1] == "eagle-head" and lines[H3][-1] == "complete"
+    assert engines_main(["list", "--cache-dir", str(tmp_path), "--json"]) == 0
+    kinds = {e["hash"]: (e["kind"], e["complete"]) for e in json.loads(capsys.readouterr().out)}
+    assert kinds[H3] == ("eagle-head", True) and kinds[H1] == ("engine", True) and not kinds[H2][1]
+    shutil.rmtree(head)
     assert engines_main(["gc", "--cache-dir", str(tmp_path), "--remove", H1, "--termination-log", str(term)]) == 0
     report = gc_report([{"status": {"containerStatuses": [{"state": {"terminated": {"exitCode": 0, "message": term.read_text()}}}]}}])
     assert set(report.removed) == {H1} and set(report.engines) == {H2}

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .constants import HASH_LENGTH
+from .constants import COMPLETE_MARKER, HASH_LENGTH, MANIFEST_FILENAME
 from .manifest import is_engine_complete
 
 __all__ = ["EngineEntry", "GcReport", "folder_bytes", "list_engines", "collect", "format_build_report",
@@ -29,13 +29,26 @@ _HASH = re.compile(rf"[0-9a-f]{{{HASH_LENGTH}}}")
 
 @dataclass(frozen=True)
 class EngineEntry:
-    """One engine folder: ``hash``, ``bytes`` on disk, ``complete`` (a finished engine),
-    ``building`` (a build's temporary folder of this hash exists next to it)."""
+    """One engine folder: ``hash``, ``bytes`` on disk, ``complete`` (a finished engine or
+    head), ``building`` (a build's temporary folder of this hash exists next to it), ``kind``:
+    ``engine`` (a ``kiln build`` engine), ``eagle-head`` (an EAGLE head ``kiln head fetch``
+    wrote: the completion marker and a ``config.json``, no engine manifest) or ``unknown``
+    (neither, e.g. a build that stopped half-way)."""
 
     hash: str
     bytes: int
     complete: bool
     building: bool = False
+    kind: str = "engine"
+
+
+def _kind(d: Path) -> tuple[str, bool]:
+    """``(kind, complete)`` of a folder named by a hash (see ``EngineEntry``)."""
+    if is_engine_complete(str(d)):
+        return "engine", True
+    if (d / COMPLETE_MARKER).is_file() and not (d / MANIFEST_FILENAME).exists() and (d / "config.json").is_file():
+        return "eagle-head", True
+    return ("engine" if (d / MANIFEST_FILENAME).exists() else "unknown"), False
 
 
 @dataclass
@@ -91,7 +104,8 @@ def list_engines(root: str | os.PathLike) -> list[EngineEntry]:
     out = []
     for d in sorted(root.iterdir()):
         if d.is_dir() and not d.is_symlink() and _HASH.fullmatch(d.name):
-            out.append(EngineEntry(d.name, folder_bytes(d), is_engine_complete(str(d)), _building(root, d.name)))
+            kind, complete = _kind(d)
+            out.append(EngineEntry(d.name, folder_bytes(d), complete, _building(root, d.name), kind))
     return out
 
 

@@ -124,8 +124,9 @@ def _list_folder(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([e.__dict__ for e in entries], indent=1))
         return 0
-    rows = [["ENGINE", "SIZE", "STATE"]] + [[e.hash, human_bytes(e.bytes), "complete" if e.complete else
-                                             ("building" if e.building else "incomplete")] for e in entries]
+    rows = [["ENGINE", "KIND", "SIZE", "STATE"]] + [
+        [e.hash, e.kind, human_bytes(e.bytes), "complete" if e.complete else ("building" if e.building else "incomplete")]
+        for e in entries]
     print(_table(rows) if entries else f"no engines in {args.cache_dir}")
     return 0
 
