@@ -1,4 +1,4 @@
-"""docs/argocd-health.lua, run in a real Lua interpreter (lupa) on InferenceEngine states."""
+"""helm/kiln/files/argocd-health.lua, run in a real Lua interpreter (lupa) on InferenceEngine states."""
 
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 lupa = pytest.importorskip("lupa")
 
-SCRIPT = (Path(__file__).resolve().parents[2] / "docs/argocd-health.lua").read_text()
+SCRIPT = (Path(__file__).resolve().parents[2] / "helm/kiln/files/argocd-health.lua").read_text()
 
 
 def health(obj):

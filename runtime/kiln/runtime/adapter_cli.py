@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from . import hub
+from .cache_folder import place_folder
 
 TERMINATION_LOG = "/dev/termination-log"
 CONFIG_FILE = "adapter_config.json"  # = lora.peft_format.CONFIG_FILE (that module needs torch)
@@ -101,22 +101,10 @@ def run_adapter(ns: argparse.Namespace) -> int:
         return _error(ns, e.reason, str(e))
     except (ValueError, OSError) as e:  # an engine folder that does not open
         return _error(ns, "InvalidEngine", str(e))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            shutil.copyfile(folder / name, tmp / name)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / CONFIG_FILE).is_file():  # not another fetch of the same source winning the race
-                raise
+        place_folder(out, [folder / CONFIG_FILE, folder / WEIGHTS_FILE], lambda: (out / CONFIG_FILE).is_file())
     except OSError as e:
         return _error(ns, "WriteFailed", f"cannot write {out}: {e}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"kiln adapter: {ns.source} -> {out}", file=sys.stderr)
     print(out)
     return 0

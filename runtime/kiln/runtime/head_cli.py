@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from kiln.common.enginecache import format_build_report
 
 from . import hub
+from .cache_folder import place_folder
 
 TERMINATION_LOG = "/dev/termination-log"
 CONFIG_FILE = "config.json"
@@ -125,23 +125,11 @@ def run_head(ns: argparse.Namespace) -> int:
         return _error(ns, e.reason, str(e).split(": ", 1)[-1])
     except (ValueError, OSError) as e:
         return _error(ns, "InvalidHead", str(e))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for f in [folder / CONFIG_FILE, *_weight_files(folder)]:
-            shutil.copyfile(f, tmp / f.name)
-        (tmp / COMPLETE_MARKER).write_text("")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / COMPLETE_MARKER).is_file():  # not another fetch of the same head winning the race
-                raise
+        place_folder(out, [folder / CONFIG_FILE, *_weight_files(folder)], lambda: (out / COMPLETE_MARKER).is_file(),
+                     COMPLETE_MARKER)
     except OSError as e:
         return _error(ns, "WriteFailed", f"cannot write {out}: {e}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"kiln head: {ns.source} ({kind}) -> {out}", file=sys.stderr)
     _write_log(ns, format_build_report(out.name, size) + "\n")  # the operator keeps the size in the record
