@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from kiln.common.enginespec import EngineSpecError, _claim_path
 
 from .specfields import _section as _obj
+from .specfields import _str
 
 # The served names of adapters: what a request's ``model`` can spell (no spaces, no slash
 # first), as the CRD's pattern says.
@@ -87,15 +88,6 @@ class LoRASpec:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-
-
-def _str(raw: Mapping[str, Any], key: str, path: str) -> str | None:
-    v = raw.get(key)
-    if v is None or v == "":
-        return None
-    if not isinstance(v, str):
-        raise EngineSpecError(f"{path}: expected a string, got {v!r}")
-    return v
 
 
 def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None, low: int, high: int) -> int | None:

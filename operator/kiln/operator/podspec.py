@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from kiln.common.enginespec import EngineSpecError
 
 from . import constants as c
+from .specfields import _str, _strings
 
 __all__ = ["EnvVar", "parse_env", "PodOverrides", "parse_pod", "apply_serving", "apply_build", "RESERVED_LABELS"]
 
@@ -94,29 +95,6 @@ def parse_env(rt: Mapping[str, Any]) -> tuple[tuple[EnvVar, ...], tuple[dict, ..
     return tuple(env), tuple(copy.deepcopy(dict(e)) for e in env_from)
 
 
-def _strings(raw: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
-    v = raw.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, Mapping):
-        raise EngineSpecError(f"{path}: expected an object, got {type(v).__name__}")
-    out = {}
-    for k, x in v.items():
-        if not isinstance(x, str):
-            raise EngineSpecError(f"{path}.{k}: expected a string, got {x!r}")
-        out[str(k)] = x
-    return out
-
-
-def _opt_str(raw: Mapping[str, Any], key: str, path: str) -> str | None:
-    v = raw.get(key)
-    if v is None or v == "":
-        return None
-    if not isinstance(v, str):
-        raise EngineSpecError(f"{path}: expected a string, got {v!r}")
-    return v
-
-
 def parse_pod(raw: Mapping[str, Any]) -> PodOverrides:
     """Parse ``spec.pod`` of a spec dict.  Raises ``EngineSpecError`` naming the field."""
     pod = raw.get("pod")
@@ -145,8 +123,8 @@ def parse_pod(raw: Mapping[str, Any]) -> PodOverrides:
         annotations=_strings(pod, "annotations", "pod.annotations"), labels=labels,
         affinity=copy.deepcopy(dict(affinity)) if affinity else None,
         topology_spread_constraints=tuple(copy.deepcopy(dict(x)) for x in spread),
-        priority_class_name=_opt_str(pod, "priorityClassName", "pod.priorityClassName"),
-        runtime_class_name=_opt_str(pod, "runtimeClassName", "pod.runtimeClassName"),
+        priority_class_name=_str(pod, "priorityClassName", "pod.priorityClassName"),
+        runtime_class_name=_str(pod, "runtimeClassName", "pod.runtimeClassName"),
         image_pull_secrets=tuple(secrets))
 
 

@@ -46,7 +46,7 @@ def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
     return v
 
 
-def _str(raw: Mapping[str, Any], key: str, path: str, default: str | None) -> str | None:
+def _str(raw: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str | None:
     v = raw.get(key)
     if v is None or v == "":
         return default
@@ -62,6 +62,16 @@ def _list(raw: Mapping[str, Any], key: str, path: str) -> list[Any]:
     if not isinstance(v, (list, tuple)):
         raise EngineSpecError(f"{path}: expected a list, got {type(v).__name__}")
     return list(v)
+
+
+def _strings(raw: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+    """An object of string values (labels, annotations); {} when absent."""
+    out = {}
+    for k, x in _section(raw, key, path).items():
+        if not isinstance(x, str):
+            raise EngineSpecError(f"{path}.{k}: expected a string, got {x!r}")
+        out[str(k)] = x
+    return out
 
 
 def _quantities(raw: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
