@@ -144,7 +144,9 @@ def test_unused_engine_leaves_the_claim_and_the_used_one_stays_with_its_size(sta
         rec = stack.wait_for("the size in the engine record",
                              lambda: (r := admin.get("v1", "ConfigMap", ns, rec_name)) and "sizeBytes" in r["data"] and r,
                              stall=60, ns=ns)
-        assert rec["data"]["sizeBytes"] == str(used_bytes) and rec["data"]["usedBy"] == f"{ns}/keeper"
+        # its users: the resource by its spec, its Deployment (at zero replicas) by its pod template
+        users = [f"{ns}/deployment/keeper", f"{ns}/keeper"]
+        assert rec["data"]["sizeBytes"] == str(used_bytes) and rec["data"]["usedBy"] == ",".join(users), rec["data"]
         assert c.ANNOTATION_DELETING not in (rec["metadata"].get("annotations") or {})
         engine = stack.wait_for("status.engine.sizeBytes",
                                 lambda: ((stack.engine("keeper", ns) or {}).get("status") or {}).get("engine", {})
@@ -156,10 +158,10 @@ def test_unused_engine_leaves_the_claim_and_the_used_one_stays_with_its_size(sta
 
     cli = [str(VENV_BIN / "kiln"), "engines", "list", "-n", ns, "--kubeconfig", stack.plane.kubeconfig]
     rows = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True, check=True).stdout)
-    assert [(r["hash"], r["claim"], r["bytes"], r["usedBy"]) for r in rows] == [(used, CLAIM, used_bytes, [f"{ns}/keeper"])]
+    assert [(r["hash"], r["claim"], r["bytes"], r["usedBy"]) for r in rows] == [(used, CLAIM, used_bytes, users)]
     table = subprocess.run(cli, capture_output=True, text=True, check=True).stdout.splitlines()
     assert table[0].split()[:5] == ["NAMESPACE", "CLAIM", "ENGINE", "SIZE", "USED"], table
-    assert table[1].split()[:5] == [ns, CLAIM, used, human_bytes(used_bytes), f"{ns}/keeper"], table
+    assert table[1].split()[:5] == [ns, CLAIM, used, human_bytes(used_bytes), ",".join(users)], table
     assert human_bytes(used_bytes) == "3.0Mi"
     # the claim side of the CLI: what the cleanup Job's image runs on a mounted claim
     local = subprocess.run([str(VENV_BIN / "kiln"), "engines", "list", "--cache-dir", str(root), "--json"],

@@ -126,6 +126,16 @@ def test_probes_endpoints_and_kill_on_delete(stack, ns):
     assert {ip for ip, _ in eps} == ips and len(ips) == 2
     import httpx
     assert httpx.get(proxy.url + "/", timeout=5).text == "hi"
+    # From a pod: the Service's name (the namespace's search path, port 80 to the pods' "http")
+    client = ("import sys, urllib.request\n"
+              "for url in sys.argv[1:]:\n"
+              "    print(url, urllib.request.urlopen(url, timeout=10).read().decode())\n")
+    urls = ["http://web/", f"http://web.{ns}:80/", f"http://web.{ns}.svc.cluster.local/"]
+    stack.apply_obj(job("client", client, args=urls), ns)
+    assert stack.wait_for("the client job ends", lambda: job_condition(stack, ns, "client"), ns=ns) == "Complete"
+    out = pod_log_path(stack.state_dir, ns, stack.pods(ns, "job-name=client")[0]["metadata"]["name"], "main")
+    assert [f"{u} hi" for u in urls] == out.read_text().splitlines()[-3:]
+    stack.kubectl("delete", "job", "client", "-n", ns, "--cascade=foreground", "--wait=true")
 
     # A failing readiness probe takes the pod out of the Service, a passing one brings it back.
     pod = stack.pods(ns)[0]
