@@ -1,8 +1,11 @@
 """Fixtures of the end-to-end tests: the whole stack (kiln.devcluster.stack) on a private
 plane with one process-backed node and the chart installed; the chart's operator pod runs on
 that node (in-cluster, with its ServiceAccount's projected token).  The install sets only the
-operator's intervals (resync 10 s, autoscaler scrape 3 s; the defaults are 60 s and 15 s) so the
-tests take less time.  Pods really run `kiln build` and `kiln serve`.
+operator's intervals (resync 10 s, autoscaler scrape 3 s, engine cache cleanup step 2 s; the
+defaults are 60 s, 15 s and 300 s) and the engine cache retention (15 s instead of 7 days: an
+engine no resource of a test uses leaves its claim 15 s later; one whose resources are all
+deleted stays, as the claims of namespaces without resources are not looked at) so the tests
+take less time.  Pods really run `kiln build` and `kiln serve`.
 
 Binaries of the plane missing: skip (unless CI=true or KILN_PLANE_BUILD=1: build them).
 KILN_E2E_PLANE=<name> uses (and keeps) a named plane instead of a private one.
@@ -27,7 +30,8 @@ from kiln.devcluster.stack import Stack
 from kiln.devcluster.wait import wait_for
 
 MEASUREMENTS: list[dict] = []
-E2E_HELM_VALUES = {"operator.resyncSeconds": "10", "operator.autoscaleSeconds": "3"}
+E2E_HELM_VALUES = {"operator.resyncSeconds": "10", "operator.autoscaleSeconds": "3",
+                   "engineCache.gcSeconds": "2", "engineCache.retentionSeconds": "15"}
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from kiln.devcluster.proc_pod import POD_SITE
 from kiln.devcluster.procnode import ProcNode, map_value, pod_log_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +26,30 @@ def test_map_value():
     assert map_value("/tmpfoo", m, "10.0.0.2") == "/tmpfoo"
     assert map_value("0.0.0.0", m, "10.0.0.2") == "10.0.0.2"
     assert map_value("0.0.0.0:8000", m, "10.0.0.2") == "10.0.0.2:8000"
+
+
+def test_service_names_resolve_with_the_pods_search_path(tmp_path):
+    """pod_site/sitecustomize.py resolves the node's Service names (proc_services.py's hosts
+    file) as a pod's resolver does: the namespace's search path first for names with fewer
+    than five dots; other names as before."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.244.250.7 kiln.kiln-system.svc.cluster.local\n10.244.250.8 web.team-a.svc.cluster.local\n")
+    code = ("import socket, sys\n"
+            "for n in sys.argv[1:]:\n"
+            "    try:\n"
+            "        print(n, socket.getaddrinfo(n, 80, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])\n"
+            "    except OSError:\n"
+            "        print(n, 'unresolved')\n")
+    names = ["kiln.kiln-system.svc", "kiln.kiln-system", "kiln.kiln-system.svc.cluster.local.", "web", "web.team-a",
+             "web.team-a.svc.cluster.local", "kiln", "localhost", "no-such-service.team-a.svc"]
+    env = {**os.environ, "PYTHONPATH": str(POD_SITE), "KILN_PROCNODE_HOSTS": str(hosts),
+           "KILN_PROCNODE_POD_NAMESPACE": "team-a"}
+    out = subprocess.run([PY, "-c", code, *names], env=env, capture_output=True, text=True, check=True).stdout
+    got = dict(line.split() for line in out.splitlines())
+    assert got == {"kiln.kiln-system.svc": "10.244.250.7", "kiln.kiln-system": "10.244.250.7",
+                   "kiln.kiln-system.svc.cluster.local.": "10.244.250.7", "web": "10.244.250.8",
+                   "web.team-a": "10.244.250.8", "web.team-a.svc.cluster.local": "10.244.250.8",
+                   "kiln": "unresolved", "localhost": "127.0.0.1", "no-such-service.team-a.svc": "unresolved"}
 
 
 def job(name: str, code: str, volumes=None, mounts=None, args=None) -> dict:
@@ -100,6 +126,16 @@ def test_probes_endpoints_and_kill_on_delete(stack, ns):
     assert {ip for ip, _ in eps} == ips and len(ips) == 2
     import httpx
     assert httpx.get(proxy.url + "/", timeout=5).text == "hi"
+    # From a pod: the Service's name (the namespace's search path, port 80 to the pods' "http")
+    client = ("import sys, urllib.request\n"
+              "for url in sys.argv[1:]:\n"
+              "    print(url, urllib.request.urlopen(url, timeout=10).read().decode())\n")
+    urls = ["http://web/", f"http://web.{ns}:80/", f"http://web.{ns}.svc.cluster.local/"]
+    stack.apply_obj(job("client", client, args=urls), ns)
+    assert stack.wait_for("the client job ends", lambda: job_condition(stack, ns, "client"), ns=ns) == "Complete"
+    out = pod_log_path(stack.state_dir, ns, stack.pods(ns, "job-name=client")[0]["metadata"]["name"], "main")
+    assert [f"{u} hi" for u in urls] == out.read_text().splitlines()[-3:]
+    stack.kubectl("delete", "job", "client", "-n", ns, "--cascade=foreground", "--wait=true")
 
     # A failing readiness probe takes the pod out of the Service, a passing one brings it back.
     pod = stack.pods(ns)[0]

@@ -302,6 +302,9 @@ class PodRunner(threading.Thread):
                "KUBERNETES_SERVICE_PORT": str(self.node.apiserver_port),
                "KUBERNETES_SERVICE_PORT_HTTPS": str(self.node.apiserver_port),
                "KILN_PROCNODE_POD_IP": self.ip, "PYTHONPATH": str(POD_SITE)}
+        if self.node.services is not None:  # Service names for Python processes (proc_services.py)
+            env["KILN_PROCNODE_HOSTS"] = str(self.node.hosts_file)
+            env["KILN_PROCNODE_POD_NAMESPACE"] = self.ns
         if self.node.model_cache:
             env["KILN_CACHE_DIR"] = self.node.model_cache
         env.update(self.node.extra_env)

@@ -7,6 +7,10 @@ as the EndpointSlice controller last wrote them (polled every ``poll_seconds``; 
 endpoints there, e.g. loopback pod IPs that the controller refuses, the Service's Ready pods).  Unlike
 iptables it retries the TCP connect on another ready endpoint when one refuses (nothing has
 been sent yet, so that is always safe), which is what a load balancer with health checks does.
+With ``poll_seconds=0`` it reads the endpoints for each new connection instead of polling (no
+background API calls; a Service that changed is seen by the next connection).  ``endpoints``
+fixes the endpoints instead (a Service without EndpointSlices, such as ``default/kubernetes``
+of a plane whose API server does not write its own).
 """
 
 from __future__ import annotations
@@ -22,16 +26,25 @@ log = logging.getLogger("proc_proxy")
 
 
 class ServiceProxy:
-    """``ServiceProxy(core_v1_api, namespace, service).start()`` -> ``.url`` (http://127.0.0.1:PORT)."""
+    """``ServiceProxy(core_v1_api, namespace, service).start()`` -> ``.url`` (http://127.0.0.1:PORT).
+
+    Args:
+        port_name: the Service port to forward to (None: the first one of each EndpointSlice).
+        listen_host / listen_port: where to listen (port 0: a free one).
+        poll_seconds: how often the endpoints are read (0: for each new connection instead).
+        endpoints: fixed ``(host, port)`` endpoints, never read from the API server.
+    """
 
     def __init__(self, api, namespace: str, service: str, port_name: str | None = None,
-                 listen_host: str = "127.0.0.1", listen_port: int = 0, poll_seconds: float = 0.2):
+                 listen_host: str = "127.0.0.1", listen_port: int = 0, poll_seconds: float = 0.2,
+                 endpoints: list[tuple[str, int]] | None = None):
         from kubernetes import client
         self.discovery = client.DiscoveryV1Api(api.api_client)
         self.core = api
         self.namespace, self.service, self.port_name = namespace, service, port_name
         self.poll_seconds = poll_seconds
-        self.endpoints: list[tuple[str, int]] = []
+        self.fixed = list(endpoints) if endpoints is not None else None
+        self.endpoints: list[tuple[str, int]] = list(self.fixed or [])
         self._rr = itertools.count()
         self._stop = threading.Event()
         self.sock = socket.socket()
@@ -45,6 +58,8 @@ class ServiceProxy:
         self._threads: list[threading.Thread] = []
 
     def refresh(self) -> list[tuple[str, int]]:
+        if self.fixed is not None:
+            return self.endpoints
         slices = self.discovery.list_namespaced_endpoint_slice(
             self.namespace, label_selector=f"kubernetes.io/service-name={self.service}").items
         eps = []
@@ -95,6 +110,11 @@ class ServiceProxy:
                 log.debug("endpoint refresh failed: %s", e)
 
     def _pick_and_connect(self) -> socket.socket | None:
+        if self.poll_seconds <= 0:
+            try:
+                self.refresh()
+            except Exception as e:  # noqa: BLE001 - the endpoints last read
+                log.debug("endpoint refresh failed: %s", e)
         eps = list(self.endpoints)
         if not eps:
             return None
@@ -150,8 +170,8 @@ class ServiceProxy:
             self.refresh()
         except Exception:  # noqa: BLE001
             pass
-        self._threads = [threading.Thread(target=fn, daemon=True, name=f"proxy-{fn.__name__}")
-                         for fn in (self._poll, self._accept)]
+        loops = (self._poll, self._accept) if self.poll_seconds > 0 and self.fixed is None else (self._accept,)
+        self._threads = [threading.Thread(target=fn, daemon=True, name=f"proxy-{fn.__name__}") for fn in loops]
         for t in self._threads:
             t.start()
         return self

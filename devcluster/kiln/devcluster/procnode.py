@@ -30,6 +30,10 @@ Test infrastructure, not product code.  The agent
   directly).  All pods share the host's network namespace, so a wildcard listen address (``0.0.0.0``) in args or env is
   rewritten to the pod IP: two replicas can both listen on :8000; Python processes also bind
   the pod IP for a wildcard ``bind()`` (pod_site/sitecustomize.py, first on their PYTHONPATH);
+- gives each ClusterIP Service an address of its own with a proxy per port, and pods' Python
+  processes the names ``<service>.<namespace>.svc[.cluster.local]`` (``kubernetes.default.svc``
+  too): what kube-proxy and the cluster DNS do (proc_services.py; ``service_network=False``
+  turns that off);
 - evaluates startup, readiness and liveness probes for real (httpGet, tcpSocket, exec) with
   the pod's periods and thresholds; liveness or startup failure restarts the container;
 - turns exit codes into container states and the pod phase (``restartPolicy: Never`` ->
@@ -63,6 +67,7 @@ from pathlib import Path
 
 from kiln.devcluster import procs
 from kiln.devcluster.proc_pod import PodRunner, _api, map_value, now_iso, now_micro  # noqa: F401 (map_value: re-exported)
+from kiln.devcluster.proc_services import ServiceNetwork
 from kiln.devcluster.proc_volumes import can_make_mount_namespaces
 
 NODE_KIND_LABEL = "kiln.dev/node-kind"
@@ -80,7 +85,8 @@ class ProcNode:
                  gpus: int = 4, cpu: str = "32", memory: str = "256Gi", ip_subnet: int = 250,
                  apiserver_port: int = 443, share_model_cache: bool = True, max_grace_seconds: float = 30,
                  provision_volumes: bool = True, extra_env: dict[str, str] | None = None,
-                 poll_seconds: float = 0.5, loopback_ips: bool = False, mount_namespaces: bool | None = None):
+                 poll_seconds: float = 0.5, loopback_ips: bool = False, mount_namespaces: bool | None = None,
+                 service_network: bool = True):
         self.kubeconfig, self.name = kubeconfig, name
         self.state_dir = Path(state_dir or Path(kubeconfig).parent / "procnode" / name)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +106,9 @@ class ProcNode:
         if not self.mount_namespaces:
             log.warning("no mount namespaces (needs root or CAP_SYS_ADMIN): pods will not find their "
                         "service-account token at /var/run/secrets/kubernetes.io/serviceaccount")
+        self.service_network = service_network
+        self.services: ServiceNetwork | None = None  # set by start() with service_network
+        self.hosts_file = self.state_dir / "hosts"  # the Services' names (proc_services.py)
         self.stopping = threading.Event()
         self.kubelet_port = 0
         self._log_srv = None
@@ -247,6 +256,16 @@ class ProcNode:
             except Exception as e:  # noqa: BLE001
                 log.warning("provisioner: %s", e)
 
+    # -- Services --
+    def _services_loop(self) -> None:
+        while True:
+            try:
+                self.services.sync()
+            except Exception as e:  # noqa: BLE001 - retried next second
+                log.warning("services: %s", e)
+            if self.stopping.wait(1):
+                return
+
     # -- pods --
     def _pods_loop(self) -> None:
         api = _api(self.kubeconfig)
@@ -358,7 +377,15 @@ class ProcNode:
         except Exception as e:  # noqa: BLE001 - a bonus: logs stay readable as files
             log.warning("no kubectl logs endpoint: %s", e)
         self.register()
-        for fn in (self._heartbeat_loop, self._pods_loop) + ((self._provision_loop,) if self.provision_volumes else ()):
+        loops = [self._heartbeat_loop, self._pods_loop]
+        if self.provision_volumes:
+            loops.append(self._provision_loop)
+        if self.service_network:
+            self.services = ServiceNetwork(_api(self.kubeconfig), self.hosts_file, self.take_ip, self.release_ip,
+                                           self.apiserver_port)
+            self.services.sync()  # the Services that exist have their names before the first pod starts
+            loops.append(self._services_loop)
+        for fn in loops:
             t = threading.Thread(target=fn, name=f"procnode-{fn.__name__}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -390,6 +417,8 @@ class ProcNode:
                     procs.forget(cr.proc.pid)
         for t in self._threads:
             t.join(timeout=5)
+        if self.services is not None:
+            self.services.stop()
         if self._log_srv is not None:
             self._log_srv.shutdown()
             self._log_srv.server_close()
