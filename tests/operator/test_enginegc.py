@@ -106,6 +106,14 @@ def test_collect_deletes_what_it_is_told_never_an_engine_being_built(tmp_path):
     assert set(r.removed) == {H2}
     with pytest.raises(ValueError, match="not an engine hash"):
         collect(tmp_path, remove=["../etc"])
+    # the operator's cleanup runs only while no build does: H3's temporary folder is a killed
+    # build's leftover, deleted with it; a leftover without an engine goes too
+    (tmp_path / f".{H3}.tmp-abc" / "w.safetensors").write_bytes(b"x" * 500)
+    (tmp_path / f".{H1}.tmp-def").mkdir()
+    (tmp_path / f".{H1}.tmp-def" / "w").write_bytes(b"y" * 300)
+    r = collect(tmp_path, remove=[H3, H1, H2], no_build_running=True)
+    assert set(r.removed) == {H3, H1} and r.removed[H1] == 300 and r.removed[H3] > 1500 and r.kept == {H2: "missing"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".compile-cache"]
 
 
 def test_kiln_engines_gc_and_list_on_a_folder(tmp_path, capsys):
@@ -188,3 +196,17 @@ def test_janitor_marks_deletes_and_puts_off_a_cleanup_of_an_engine_used_again():
     (p,) = Racing(kube, GcSettings(retention_seconds=DAY)).run_once(NS, [CLAIM], NOW)
     assert p.job is None and not [o for o in kube.list("batch/v1", "Job", NS) if "gc" in o["metadata"]["name"]]
     assert c.ANNOTATION_DELETING not in (kube.get("v1", "ConfigMap", NS, b.record_name(CLAIM, H3))["metadata"].get("annotations") or {})
+
+
+def test_the_cleanup_jobs_arguments_parse_with_the_real_kiln_engines_parser():
+    import argparse
+
+    from kiln.operator.engines_cli import add_engines_args
+    from kiln.operator.enginegc import gc_job
+
+    job = gc_job(NS, CLAIM, [H1], [H2, H3], GcSettings(min_free_bytes=10 << 30))
+    ctr = job["spec"]["template"]["spec"]["containers"][0]
+    assert ctr["command"] == ["kiln", "engines"]
+    ns = add_engines_args(argparse.ArgumentParser(prog="kiln engines")).parse_args(ctr["args"])
+    assert ns.engines_command == "gc" and ns.remove == [H1] and ns.spare == [H2, H3] and ns.min_free == 10 << 30
+    assert ns.no_build_running and ns.cache_dir == c.DEFAULT_CACHE_ROOT

@@ -115,11 +115,14 @@ def _free(root: Path) -> tuple[int, int]:
 
 
 def collect(root: str | os.PathLike, remove: Iterable[str] = (), spare: Iterable[str] = (),
-            min_free_bytes: int = 0) -> GcReport:
+            min_free_bytes: int = 0, no_build_running: bool = False) -> GcReport:
     """Delete the engines ``remove`` (expired), then the engines ``spare`` in their order (the
     oldest unused first) while the filesystem has less than ``min_free_bytes`` free.  An engine
-    a build is writing (a temporary folder of its hash exists) is never deleted.  Each engine
-    is first renamed out of its path (atomic: a reader never sees half an engine), then removed.
+    a build is writing (a temporary folder of its hash exists) is never deleted, unless
+    ``no_build_running`` (the caller knows no build writes into ``root``, as the operator does
+    when it runs its cleanup): then such folders are what a killed build left, and they are
+    deleted with their engine.  Each engine is first renamed out of its path (atomic: a reader
+    never sees half an engine), then removed.
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -136,13 +139,21 @@ def collect(root: str | os.PathLike, remove: Iterable[str] = (), spare: Iterable
 
     def drop(h: str) -> None:
         d = root / h
-        if not d.is_dir():
-            report.kept[h] = "missing"
-            return
+        leftovers = 0
         if _building(root, h):
-            report.kept[h] = "building"
+            if not no_build_running:
+                report.kept[h] = "building" if d.is_dir() else "missing"
+                return
+            for tmp in root.glob(f".{h}.tmp-*"):  # a killed build's
+                leftovers += folder_bytes(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+        if not d.is_dir():
+            if leftovers:
+                report.removed[h] = leftovers
+            else:
+                report.kept[h] = "missing"
             return
-        size = folder_bytes(d)
+        size = folder_bytes(d) + leftovers
         trash = root / f".{h}.deleting"
         os.rename(d, trash)
         shutil.rmtree(trash, ignore_errors=True)

@@ -17,8 +17,10 @@ Every ``engine_gc_seconds`` (``EngineJanitor.run_once``), per namespace and clai
    its termination message), the others unmarked, the sizes it measured written to the
    records, and the Job deleted.  No build starts while a cleanup runs (``plan._plan_build``).
 
-An engine in use is never deleted, nor one that a build is writing (``collect`` skips a hash
-with a build's temporary folder).  ``plan_gc`` is pure; ``EngineJanitor`` reads and acts.
+An engine in use is never deleted, nor one that a build is writing: the cleanup runs only
+while no build of the claim does, so a build's temporary folder it finds is a killed build's
+leftover, deleted with its engine (``kiln engines gc --no-build-running``); run by hand
+without that flag, ``collect`` skips a hash with such a folder.  ``plan_gc`` is pure; ``EngineJanitor`` reads and acts.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def gc_job(namespace: str, claim: str, remove: list[str], spare: list[str], sett
     name = b.child_name(f"kiln-gc-{claim}"[:45].rstrip("-."), digest)
     labels = {c.LABEL_NAME: c.APP_NAME, c.LABEL_COMPONENT: c.COMPONENT_GC, c.LABEL_MANAGED_BY: c.MANAGED_BY,
               c.LABEL_PART_OF: "kiln", c.LABEL_CACHE_CLAIM: b.label_value(claim)}
-    args = ["gc", "--cache-dir", c.DEFAULT_CACHE_ROOT, "--termination-log", c.TERMINATION_LOG]
+    # planned only with no build of the claim pending or running, and none starts meanwhile
+    args = ["gc", "--cache-dir", c.DEFAULT_CACHE_ROOT, "--no-build-running", "--termination-log", c.TERMINATION_LOG]
     if remove:
         args += ["--remove", *remove]
     if spare:

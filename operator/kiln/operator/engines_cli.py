@@ -39,6 +39,9 @@ def add_engines_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     gc.add_argument("--spare", nargs="*", default=[], metavar="HASH",
                     help="engines to delete in this order (oldest unused first) while less than --min-free is free")
     gc.add_argument("--min-free", type=int, default=0, metavar="BYTES", help="free space to keep (default: 0)")
+    gc.add_argument("--no-build-running", action="store_true",
+                    help="no build writes into the cache now (the operator's cleanup): a build's temporary folder "
+                         "of an engine to delete is a killed build's leftover and is deleted too")
     gc.add_argument("--termination-log", default=TERMINATION_LOG,
                     help="write the report here when the file exists (default: %(default)s)")
     return p
@@ -133,7 +136,7 @@ def _list_folder(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     try:
-        report = enginecache.collect(args.cache_dir, args.remove, args.spare, args.min_free)
+        report = enginecache.collect(args.cache_dir, args.remove, args.spare, args.min_free, args.no_build_running)
     except (FileNotFoundError, ValueError) as e:
         print(f"kiln engines: error: {e}", file=sys.stderr)
         return 2
