@@ -680,3 +680,116 @@ def test_pod_overrides_and_an_accuracy_gate_reach_children_the_api_server_accept
     r = subprocess.run([plane.kubectl_bin, "--kubeconfig", plane.kubeconfig, "apply", "-n", ns, "-f", "-"],
                        input=json.dumps(obj), capture_output=True, text=True)
     assert r.returncode != 0 and "are set by Kiln" in r.stderr, r.stderr
+
+
+# --- the accuracy gate, run for real on the process node (issue 28: item 8) ------------------------
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def write_tiny_llama(folder: Path) -> None:
+    """A 2-layer random Llama (float32, 512-token synthetic tokenizer) as a Hugging Face folder:
+    it builds, is measured and serves in seconds on the CPU."""
+    import torch
+    from safetensors.torch import save_file
+    from kiln.runtime.model.config import ModelConfig
+    from kiln.runtime.model.llama import LlamaForCausalLM, to_hf_state_dict
+    from kiln.runtime.synthetic_tokenizer import synthetic_tokenizer
+
+    folder.mkdir(parents=True)
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(TINY_LLAMA))
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        p.data = torch.ones_like(p) if "norm" in name else torch.randn(p.shape, generator=g) * 0.08
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model).items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    synthetic_tokenizer(TINY_LLAMA["vocab_size"], 1, [2], folder.parent / ".tok-cache").save_pretrained(str(folder))
+
+
+def claim_folder(admin, ns: str, claim: str) -> Path:
+    """The host folder behind a claim once it is bound (the process node's hostPath PVs)."""
+    pvc = wait_for(f"claim {claim} bound", lambda: (lambda x: x if x and (x.get("status") or {}).get("phase") == "Bound"
+                                                    else None)(admin.get("v1", "PersistentVolumeClaim", ns, claim)), 30)
+    pv = admin.request("GET", f"/api/v1/persistentvolumes/{pvc['spec']['volumeName']}")
+    return Path(pv["spec"]["hostPath"]["path"])
+
+
+def complete(pod_ip: str, model: str) -> dict:
+    """A greedy completion from a serving pod, straight to its IP (the process node's pod IPs
+    are on this machine's loopback interface)."""
+    import httpx
+
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        r = client.post(f"http://{pod_ip}:{c.HTTP_PORT}/v1/completions", json={
+            "model": model, "prompt": "the gate", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_failing_accuracy_gate_degrades_and_the_previous_engine_keeps_serving(plane, admin, ns, procnode):
+    """The build Job runs the real ``kiln build`` on the process node: an unquantized engine
+    passes its gate (its numbers in the engine record, the manifest and ``status.engine``) and
+    serves; an fp8 build of the same random model asked for a greedy agreement of 1 fails its
+    gate: Degraded ``AccuracyGateFailed`` with the measured numbers, no record and no folder of
+    the new engine, and the Deployment's pod keeps serving the old one."""
+    from kiln.common.manifest import read_manifest
+
+    plane.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": ns},
+                 "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
+                          "storageClassName": ""}})
+    write_tiny_llama(claim_folder(admin, ns, "models") / "tiny")
+    name = "gated"
+    obj = on_procnode({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": name},
+                       "spec": {"model": {"pvc": {"claimName": "models", "path": "tiny"}},
+                                "build": {"quantization": "none", "maxSeqLen": 512,
+                                          "accuracyGate": {"maxPerplexityIncrease": 0.01, "minGreedyAgreement": 0.9,
+                                                           "numPrompts": 2}},
+                                "runtime": {"maxNumSeqs": 2}, "resources": {"gpus": 0}, "replicas": 1}}, procnode)
+    apply(plane, ns, obj)
+    try:
+        ie = wait_for("Ready", lambda: ready(admin, ns, name), 120)
+    except TimeoutError:
+        raise AssertionError(json.dumps((get_ie(admin, ns, name) or {}).get("status"), indent=1)) from None
+    h1 = ie["status"]["engineHash"]
+    record = admin.get("v1", "ConfigMap", ns, b.record_name("kiln-engine-cache", h1))
+    acc = json.loads(record["data"]["accuracy"])
+    assert acc["numPrompts"] == 2 and acc["greedyAgreement"] >= 0.9 and acc["perplexityIncrease"] <= 0.01, acc
+    assert ie["status"]["engine"]["accuracy"] == acc
+    cache = claim_folder(admin, ns, "kiln-engine-cache")
+    assert read_manifest(cache / h1)["accuracy"] == acc
+    pods = admin.list("v1", "Pod", ns, label_selector=b.selector_string({"name": name}))
+    assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running", [p.get("status") for p in pods]
+    serving_pod = pods[0]
+    assert complete(serving_pod["status"]["podIP"], name)["usage"]["completion_tokens"] == 4
+
+    # fp8 of a random model flips greedy tokens: a gate asking for agreement 1 refuses it
+    obj["spec"]["build"] = {"quantization": "fp8", "calibrationSamples": 2, "maxSeqLen": 512,
+                            "accuracyGate": {"maxPerplexityIncrease": 0, "minGreedyAgreement": 1, "numPrompts": 2}}
+    apply(plane, ns, obj)
+    ie = degraded(admin, ns, name, "AccuracyGateFailed")
+    h2 = ie["status"]["engineHash"]
+    assert h2 != h1 and h2 == engine_hash(ie["spec"])
+    msg = condition(ie, "Degraded")["message"]
+    assert "AccuracyGateFailed: the engine failed its accuracy gate" in msg, msg
+    # both bounds fail, each with its measured numbers
+    assert "is above the maximum increase of 0.00%" in msg and "perplexity " in msg, msg
+    assert "greedy agreement 0." in msg and "over 2 prompts is below the minimum of 1.000" in msg, msg
+    assert "teacher-forced top-1 " in msg, msg
+    assert ie["status"]["build"]["state"] == "Failed" and "greedy agreement 0." in ie["status"]["build"]["message"]
+    job = admin.get("batch/v1", "Job", ns, b.job_name("kiln-engine-cache", h2))
+    # exit code 3: the Job's pod failure policy fails it at once (backoffLimit 1 would retry)
+    assert job["status"].get("failed") == 1 and any(
+        x["type"] == "Failed" and x["reason"] == "PodFailurePolicy" for x in job["status"]["conditions"]), job["status"]
+    assert admin.get("v1", "ConfigMap", ns, b.record_name("kiln-engine-cache", h2)) is None
+    assert not list(cache.glob(f"*{h2}*"))  # neither the engine nor a temporary folder of it
+    assert "engine" not in ie["status"]  # status.engine speaks of the spec's engine, which is not complete
+    # the previous engine keeps serving: the Deployment, its pod and the answers are the old ones
+    assert deployment_hash(admin, ns, name) == h1 and ie["status"]["servingEngineHash"] == h1
+    assert condition(ie, "Available")["status"] == "True"
+    pods = admin.list("v1", "Pod", ns, label_selector=b.selector_string({"name": name}))
+    assert [p["metadata"]["uid"] for p in pods] == [serving_pod["metadata"]["uid"]]
+    assert complete(serving_pod["status"]["podIP"], name)["usage"]["completion_tokens"] == 4
+    wait_for("a Warning event", lambda: warning_event(admin, ns, name, "AccuracyGateFailed"), 30)
