@@ -50,10 +50,11 @@ def _matchers(compiled, prefixes):
 def test_batch_fill_matches_per_row_fill_and_reuses_buffers(compiled):
     filler = BitmaskFiller((VOCAB + 31) // 32, threads=2)
     prefixes = ["", "", '{"name": "a', "ab", '{"name": "ab", "n": 1', "abc-"]
-    ms = _matchers(compiled, prefixes)
     bufs = []
     for k in (1, 3, 6, 2, 6, 20):  # growing and shrinking batches, both slots in turn
-        rows = [ms[i % len(ms)] for i in range(k)]
+        # one matcher per row, as each sequence has its own (the batch fill's threads fill
+        # rows at once: a matcher in two rows would be filled from two threads)
+        rows = _matchers(compiled, [prefixes[i % len(prefixes)] for i in range(k)])
         ids = [f"r{i}" for i in range(k)]
         mask = filler.start(ids, rows)
         got = mask.result().clone()
