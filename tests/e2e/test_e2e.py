@@ -120,7 +120,10 @@ def test_apply_ready_answer_delete_reapply(stack, ns, measure):
 # --- (d): spec change -> new engine -> rolling update with a client loop running ------------
 
 def test_spec_change_rolls_out_without_failed_requests(stack, ns, measure):
+    """A build field changes: a new engine hash, a new build, a rolling update under a client loop.
+    Both engines are unquantized (no calibration), so the test's time is the rollout's."""
     ie = example()
+    ie["spec"]["build"] = {"quantization": "none", "maxSeqLen": 2048}
     name = ie["metadata"]["name"]
     stack.apply_obj(ie, ns)
     stack.wait_ready(name, ns)
@@ -132,7 +135,7 @@ def test_spec_change_rolls_out_without_failed_requests(stack, ns, measure):
     loop = ClientLoop(proxy.url, model=name).start()
     time.sleep(3)
     new = copy.deepcopy(ie)
-    new["spec"]["build"]["quantization"] = "none"  # another quantization: a new engine hash
+    new["spec"]["build"]["maxSeqLen"] = 1024  # another build: a new engine hash
     t0 = time.monotonic()
     stack.apply_obj(new, ns)
     gen = int(stack.engine(name, ns)["metadata"]["generation"])
