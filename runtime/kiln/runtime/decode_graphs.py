@@ -4,6 +4,15 @@ A pure-decode step (every sequence one new token) is one graph replay instead of
 kernel launches (nano-vllm and vLLM do the same).  The graphs read persistent input buffers
 (token ids, positions, slots, context lengths, block tables) that each step fills through
 pinned staging memory; padded rows have ``seq_len`` 0 and slot -1.
+
+With speculative decoding, the verify step (each sequence its last known token plus up to
+``k`` drafts) has graphs of its own: ``bs * (k + 1)`` token rows for ``bs`` sequences, the
+rows of each sequence packed one after the other from row 0 (``query_start_loc`` is an
+input, so sequences may verify different numbers of drafts), attention through the kernel's
+multi-token (prefill) path, whose launch grid depends only on the row and sequence counts.
+Rows after the last sequence's are idle (slot -1, in no sequence); padded sequences have no
+rows and ``seq_len`` 0.  Such graphs are captured for batch sizes up to the speculation's
+switch-off size (``SpeculativeConfig.max_batch_size``), above which steps verify nothing.
 """
 
 from __future__ import annotations
@@ -48,25 +57,38 @@ class DecodeGraphs:
         runner: the model runner (model, device, block size, placeholder inputs).
         max_num_seqs: most sequences in a step (the largest graph covers it).
         max_model_len: longest context (tokens): the block tables' width.
+        verify_len: speculative decoding: most token rows per sequence in a verify step
+            (``k + 1`` for ``k`` drafts); 0 captures no verify graphs.
+        verify_max_seqs: most sequences in a verify step (the speculation's switch-off
+            batch size, at most ``max_num_seqs``).
     """
 
-    def __init__(self, runner: "ModelRunner", max_num_seqs: int, max_model_len: int):
+    def __init__(self, runner: "ModelRunner", max_num_seqs: int, max_model_len: int, verify_len: int = 0,
+                 verify_max_seqs: int = 0):
         self.runner = runner
         self.sizes = decode_graph_sizes(max_num_seqs)
-        max_bs = self.sizes[-1]
+        self.verify_len = verify_len if verify_len > 1 and verify_max_seqs > 0 else 0
+        self.verify_sizes = decode_graph_sizes(min(verify_max_seqs, max_num_seqs)) if self.verify_len else []
+        max_bs = max(self.sizes[-1], self.verify_sizes[-1] if self.verify_sizes else 0)
+        max_rows = max(max_bs, (self.verify_sizes[-1] if self.verify_sizes else 0) * self.verify_len)
         self.block_size = runner.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         dev = runner.device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.slots = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        # The verify graphs' query start offsets (an input: rows per sequence vary by step).
+        self.verify_qsl = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
         # Two sets of pinned staging buffers, used in turn: with asynchronous scheduling the
-        # host fills step N+1's inputs while step N's copies may still be queued.
-        self.host = [torch.zeros(4, max_bs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self.host_table = [torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        # host fills step N+1's inputs while step N's copies may still be queued.  Rows 0-2
+        # are per token row (ids, positions, slots), row 3 per sequence (context lengths) and,
+        # for a verify step, row 4 its query start offsets.
+        pin = dev.type == "cuda"  # (the CPU only for tests of the staging: no graphs there)
+        self.host = [torch.zeros(5, max_rows + 1, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host_table = [torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
                            for _ in range(2)]
         self.host_table_np = [t.numpy() for t in self.host_table]
         self.turn = 0
@@ -75,32 +97,47 @@ class DecodeGraphs:
         # EAGLE-3: the residual streams the model keeps (``LlamaModel.aux_layers``), as each
         # graph's static output [bs, k * hidden]; replays refresh ``aux_hidden`` from them.
         self.aux_outputs: dict[int, torch.Tensor] = {}
+        # Verify graphs by sequences: graph, hidden states [bs * verify_len, hidden], aux streams.
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_outputs: dict[int, torch.Tensor] = {}
+        self.verify_aux_outputs: dict[int, torch.Tensor] = {}
+        self.num_verify_replays = 0  # verify steps run as a graph (steps)
 
     def capture(self) -> None:
-        """Capture one graph per batch size (largest first, sharing one memory pool)."""
-        model = self.runner.model
-        pool = None
+        """Capture one graph per batch size, then one verify graph per verify batch size
+        (largest first, all sharing one memory pool)."""
         t0 = time.perf_counter()
+        pool = None
         with torch.inference_mode():
             for bs in reversed(self.sizes):
-                meta = self.metadata(bs)
-                if self.runner.lora is not None:  # LoRA kernels in the graph; slots are inputs
-                    self.runner.lora.set_batch([], num_tokens=bs, active=True)
-                # Warm up (Triton compilation, cuBLAS handles) outside the capture.
-                for _ in range(2):
-                    model(self.input_ids[:bs], self.positions[:bs], meta)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], meta)
-                if model.model.aux_layers:
-                    self.aux_outputs[bs] = model.model.aux_hidden
-                if pool is None:
-                    pool = g.pool()
-                self.graphs[bs] = g
+                pool = self._capture_one(bs, bs, self.metadata(bs), pool, self.graphs, self.outputs,
+                                         self.aux_outputs)
+            for bs in reversed(self.verify_sizes):
+                pool = self._capture_one(bs * self.verify_len, bs, self.verify_metadata(bs), pool,
+                                         self.verify_graphs, self.verify_outputs, self.verify_aux_outputs)
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.graphs), self.sizes,
-                 time.perf_counter() - t0)
+        log.info("captured %d CUDA graphs (batch sizes %s%s) in %.1fs", len(self.graphs) + len(self.verify_graphs),
+                 self.sizes, f"; verify steps of up to {self.verify_len} tokens per sequence at {self.verify_sizes}"
+                 if self.verify_sizes else "", time.perf_counter() - t0)
+
+    def _capture_one(self, rows: int, bs: int, meta: AttentionMetadata, pool, graphs: dict, outputs: dict,
+                     aux_outputs: dict):
+        """Capture the model over ``rows`` token rows of ``bs`` sequences into ``graphs[bs]``
+        (its output into ``outputs[bs]``); returns the memory pool the graphs share."""
+        model = self.runner.model
+        if self.runner.lora is not None:  # LoRA kernels in the graph; slots are inputs
+            self.runner.lora.set_batch([], num_tokens=rows, active=True)
+        # Warm up (Triton compilation, cuBLAS handles) outside the capture.
+        for _ in range(2):
+            model(self.input_ids[:rows], self.positions[:rows], meta)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outputs[bs] = model(self.input_ids[:rows], self.positions[:rows], meta)
+        if model.model.aux_layers:
+            aux_outputs[bs] = model.model.aux_hidden
+        graphs[bs] = g
+        return pool if pool is not None else g.pool()
 
     def metadata(self, bs: int) -> AttentionMetadata:
         """The attention metadata over the persistent buffers, for a graph of ``bs`` rows."""
@@ -109,31 +146,65 @@ class DecodeGraphs:
             query_start_loc=self.qsl[: bs + 1], max_query_len=1, max_seq_len=0,
             seq_lens_list=[0] * bs, query_lens_list=[1] * bs, block_size=self.block_size)
 
+    def verify_metadata(self, bs: int) -> AttentionMetadata:
+        """The attention metadata of a verify graph of ``bs`` sequences (``bs * verify_len``
+        token rows; the multi-token kernel path, query start offsets from ``verify_qsl``)."""
+        rows = bs * self.verify_len
+        return AttentionMetadata(
+            slot_mapping=self.slots[:rows], block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
+            query_start_loc=self.verify_qsl[: bs + 1], max_query_len=self.verify_len, max_seq_len=0,
+            seq_lens_list=[0] * bs, query_lens_list=[self.verify_len] * bs, block_size=self.block_size)
+
     def run(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Replay the graph for a pure-decode step: hidden states [n, hidden] of its ``n``
-        sequences; None when the step is not pure decode or larger than every graph."""
+        sequences; for a verify step (``out.num_spec_tokens``) the verify graph's, [T, hidden]
+        for its ``T`` token rows in ``out.scheduled`` order.  None when no graph fits the
+        step (prefill chunks, more sequences than every graph)."""
+        if out.num_spec_tokens:
+            return self.run_verify(out)
         n = len(out.scheduled)
         if not self.graphs or n > self.sizes[-1] or any(sr.num_new_tokens != 1 for sr in out.scheduled):
             return None
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
+        tokens: list[int] = []
+        for i, sr in enumerate(out.scheduled):
+            tok = sr.request.token_at(sr.num_computed_tokens)
+            if tok == PLACEHOLDER_TOKEN_ID:
+                ph_dst.append(i)
+                ph_src.append(self.runner.placeholder_source(sr.request.request_id))
+                tok = 0
+            tokens.append(tok)
+        lora = [(sr.request.lora_id, 1) for sr in out.scheduled] if self.runner.lora is not None else None
+        return self._replay_decode(tokens, [sr.num_computed_tokens for sr in out.scheduled],
+                                   [sr.block_ids for sr in out.scheduled], ph_dst, ph_src, lora)
+
+    def run_rows(self, tokens: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
+        """Replay the decode graph for ``n`` one-token rows given as host lists (a draft
+        model's steps, which have no ``SchedulerOutput``): row ``i`` is token ``tokens[i]`` at
+        position ``positions[i]`` of the sequence whose block ids are ``block_tables[i]``
+        (context ``positions[i] + 1`` tokens, its K/V written at that position).  Returns the
+        hidden states [n, hidden]; None when no graph is that large."""
+        if not self.graphs or not tokens or len(tokens) > self.sizes[-1]:
+            return None
+        return self._replay_decode(tokens, positions, block_tables, [], [], None)
+
+    def _replay_decode(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
+                       ph_dst: list[int], ph_src: list[int], lora_rows: list[tuple[int, int]] | None) -> torch.Tensor:
+        """Stage ``n`` one-token rows into the graph inputs and replay the smallest decode
+        graph of at least ``n`` rows; rows ``ph_dst`` take the previous step's sampled ids
+        ``ph_src`` on the device.  Returns the hidden states [n, hidden]."""
+        n = len(tokens)
         bs = next(b for b in self.sizes if b >= n)
         blk = self.block_size
         # Alternate staging buffers: at most one step is in flight, so the other set's
         # copies (two graph steps ago) are complete.
         turn = self.turn = 1 - self.turn
-        host = self.host[turn]  # pinned [4, max_bs] int64: ids, positions, slots, seq_lens
+        host = self.host[turn]  # pinned [5, max_rows + 1] int64: ids, positions, slots, seq_lens
         table = self.host_table[turn]  # pinned [max_bs, max_blocks] int32
         h_ids, h_pos, h_slot, h_len = host[0], host[1], host[2], host[3]
         tnp = self.host_table_np[turn]
-        ph_dst: list[int] = []
-        ph_src: list[int] = []
-        for i, sr in enumerate(out.scheduled):
-            p = sr.num_computed_tokens
-            b = sr.block_ids
-            tok = sr.request.token_at(p)
-            if tok == PLACEHOLDER_TOKEN_ID:
-                ph_dst.append(i)
-                ph_src.append(self.runner.placeholder_source(sr.request.request_id))
-                tok = 0
+        for i, (tok, p, b) in enumerate(zip(tokens, positions, block_tables)):
             h_ids[i] = tok
             h_pos[i] = p
             h_slot[i] = b[p // blk] * blk + p % blk
@@ -149,9 +220,70 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
         self.block_tables[:bs].copy_(table[:bs], non_blocking=True)
         self.runner.fill_placeholders(self.input_ids, ph_dst, ph_src)
-        if self.runner.lora is not None:
-            self.runner.lora.set_batch([(sr.request.lora_id, 1) for sr in out.scheduled], num_tokens=bs, active=True)
+        if lora_rows is not None:
+            self.runner.lora.set_batch(lora_rows, num_tokens=bs, active=True)
         self.graphs[bs].replay()
         if self.aux_outputs:
             self.runner.model.model.aux_hidden = self.aux_outputs[bs][:n]
         return self.outputs[bs][:n]
+
+    def run_verify(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Replay the verify graph for a step whose every sequence computes at most
+        ``verify_len`` tokens (its known ones, then its drafts): hidden states [T, hidden] of
+        the step's ``T`` token rows, each sequence's rows in turn in ``out.scheduled`` order
+        (as the eager forward would give them without reordering); None when no verify graph
+        fits."""
+        n = len(out.scheduled)
+        if not self.verify_graphs or n > self.verify_sizes[-1] \
+                or any(sr.num_new_tokens > self.verify_len for sr in out.scheduled):
+            return None
+        bs = next(b for b in self.verify_sizes if b >= n)
+        rows = bs * self.verify_len
+        blk = self.block_size
+        turn = self.turn = 1 - self.turn
+        host = self.host[turn]  # pinned [5, max_rows + 1] int64
+        table = self.host_table[turn]
+        h_ids, h_pos, h_slot, h_len, h_qsl = host[0], host[1], host[2], host[3], host[4]
+        tnp = self.host_table_np[turn]
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
+        lora_rows: list[tuple[int, int]] = []
+        r = 0
+        h_qsl[0] = 0
+        for i, sr in enumerate(out.scheduled):
+            req = sr.request
+            start, m, k = sr.num_computed_tokens, sr.num_new_tokens, sr.num_spec_tokens
+            toks = req.token_slice(start, start + m - k) + list(sr.spec_token_ids)
+            b = sr.block_ids
+            for j, tok in enumerate(toks):
+                if tok == PLACEHOLDER_TOKEN_ID:
+                    ph_dst.append(r + j)
+                    ph_src.append(self.runner.placeholder_source(req.request_id))
+                    tok = 0
+                p = start + j
+                h_ids[r + j] = tok
+                h_pos[r + j] = p
+                h_slot[r + j] = b[p // blk] * blk + p % blk
+            r += m
+            h_len[i] = start + m
+            h_qsl[i + 1] = r
+            tnp[i, : len(b)] = b
+            lora_rows.append((req.lora_id, m))
+        host[:2, r:rows] = 0
+        h_slot[r:rows] = -1
+        h_len[n:bs] = 0
+        h_qsl[n + 1: bs + 1] = r  # padded sequences: no rows
+        self.input_ids[:rows].copy_(h_ids[:rows], non_blocking=True)
+        self.positions[:rows].copy_(h_pos[:rows], non_blocking=True)
+        self.slots[:rows].copy_(h_slot[:rows], non_blocking=True)
+        self.seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
+        self.verify_qsl[: bs + 1].copy_(h_qsl[: bs + 1], non_blocking=True)
+        self.block_tables[:bs].copy_(table[:bs], non_blocking=True)
+        self.runner.fill_placeholders(self.input_ids, ph_dst, ph_src)
+        if self.runner.lora is not None:
+            self.runner.lora.set_batch(lora_rows, num_tokens=rows, active=True)
+        self.verify_graphs[bs].replay()
+        self.num_verify_replays += 1
+        if self.verify_aux_outputs:
+            self.runner.model.model.aux_hidden = self.verify_aux_outputs[bs][:r]
+        return self.verify_outputs[bs][:r]

@@ -327,10 +327,14 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture the decode step's CUDA graphs (``decode_graphs.DecodeGraphs``) for contexts
-        up to ``max_model_len`` tokens; nothing off CUDA or with ``enable_cuda_graphs`` off."""
+        up to ``max_model_len`` tokens, and the verify step's with speculative decoding;
+        nothing off CUDA or with ``enable_cuda_graphs`` off."""
         if self.device.type != "cuda" or not self.args.enable_cuda_graphs:
             return
-        self.decode_graphs = DecodeGraphs(self, self.args.max_num_seqs, max_model_len)
+        spec = self.args.speculative
+        self.decode_graphs = DecodeGraphs(self, self.args.max_num_seqs, max_model_len,
+                                          verify_len=spec.num_speculative_tokens + 1 if spec else 0,
+                                          verify_max_seqs=spec.max_batch_size if spec else 0)
         self.decode_graphs.capture()
 
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], grammar_mask=None,
@@ -446,9 +450,14 @@ class ModelRunner:
         """The forward pass of a step (graph replay or eager) and the float32 logits [S, vocab]
         of its sampling rows with their request ids; ``(None, [])`` when no row samples."""
         hidden = self.decode_graphs.run(out) if self.decode_graphs is not None else None
-        if hidden is not None:
+        if hidden is not None:  # rows in scheduled order, each request's in turn
             ordered = out.scheduled
-            logit_rows = [i for i, sr in enumerate(ordered) if sr.needs_sample]
+            logit_rows = []
+            r = 0
+            for sr in ordered:
+                r += sr.num_new_tokens
+                if sr.needs_sample:  # the last known token's row, and each draft's
+                    logit_rows.extend(range(r - 1 - sr.num_spec_tokens, r))
         else:
             input_ids, positions, meta, logit_rows, ordered = self.prepare_inputs(out)
             hidden = self.model(input_ids, positions, meta)

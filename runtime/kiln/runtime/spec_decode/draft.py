@@ -31,14 +31,17 @@ log = logging.getLogger(__name__)
 
 def draft_engine_args(target_args, source: str):
     """The draft model's ``EngineArgs``: the target's device, dtype, KV pool and context,
-    with the draft's source (an engine folder or a model), no graphs, no LoRA, no speculation."""
+    with the draft's source (an engine folder or a model), no LoRA, no speculation, and
+    decode CUDA graphs (when the target has them) up to the batch size that still drafts."""
     from pathlib import Path  # noqa: PLC0415
 
     is_engine = (Path(source) / "manifest.json").is_file()
+    spec = target_args.speculative
+    drafting = None if spec is None else min(spec.max_batch_size, target_args.max_num_seqs or spec.max_batch_size)
     return replace(target_args, model=None if is_engine else source, engine=source if is_engine else None,
-                   enable_cuda_graphs=False, enable_lora=False, lora_modules={}, lora_modules_file=None,
-                   speculative_method=None, num_speculative_tokens=None, speculative_model=None, max_num_seqs=None,
-                   max_num_batched_tokens=None,
+                   enable_lora=False, lora_modules={}, lora_modules_file=None,
+                   speculative_method=None, num_speculative_tokens=None, speculative_model=None,
+                   max_num_seqs=drafting, max_num_batched_tokens=None,
                    load_format="auto" if is_engine else target_args.load_format,
                    quantization="none" if is_engine else target_args.quantization)
 
@@ -146,8 +149,11 @@ class DraftModelProposer:
     def _forward(self, ids, pos, slots, seq_lens, q_lens, tables, logit_rows) -> torch.Tensor:
         r = self.runner
         num_decodes = len(q_lens) if all(q == 1 for q in q_lens) else 0
-        meta = r.attention_metadata(slots, seq_lens, q_lens, tables, num_decodes)
-        hidden = r.model(r.h2d(ids, torch.int64), r.h2d(list(pos), torch.int64), meta)
+        hidden = r.decode_graphs.run_rows(ids, list(pos), tables) \
+            if num_decodes and r.decode_graphs is not None else None
+        if hidden is None:
+            meta = r.attention_metadata(slots, seq_lens, q_lens, tables, num_decodes)
+            hidden = r.model(r.h2d(ids, torch.int64), r.h2d(list(pos), torch.int64), meta)
         if len(logit_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, r.h2d(logit_rows, torch.int64))
         return r.model.compute_logits(hidden)

@@ -1,0 +1,119 @@
+"""CUDA graphs of the speculative verify step (``decode_graphs.DecodeGraphs.run_verify``): on
+a GPU, greedy outputs with the verify step replayed as a graph equal decoding without
+speculation, for n-gram drafts (sequences verifying different numbers of drafts in one
+step, most of them rejected) and for a draft model that is the target itself (every draft
+accepted: several tokens per step).  Skipped without CUDA; CI runs the CPU test of what the
+graphs read instead (the staging, with the captured call made eagerly).  On the device:
+
+    python3 -m pytest -q tests/runtime/test_verify_graphs.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+MODEL = dict(model="builtin:llama-3.2-1b", load_format="dummy", dtype="float32", max_num_seqs=8,
+             num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=256)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Three copy prompts (a passage, then its start again: n-gram finds drafts) and three
+    random ones (no drafts most steps), so verify steps mix sequences of 1..k+1 rows."""
+    rng = random.Random(7)
+    out = []
+    for i in range(6):
+        x = [rng.randrange(100, vocab) for _ in range(40 + 8 * i)]
+        out.append(x + x + x[:12] if i % 2 == 0 else x)
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    from kiln.runtime import LLM, SamplingParams
+
+    llm = LLM(**MODEL)
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    del llm
+    torch.cuda.empty_cache()
+    return prompts, want
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_verify_graph_outputs_equal_plain_decoding(baseline, method):
+    from kiln.runtime import LLM, SamplingParams
+
+    prompts, want = baseline
+    kw = dict(speculative_method=method, num_speculative_tokens=4)
+    if method == "draft":  # the same random weights (seeded dummy init): every draft is accepted
+        kw["speculative_model"] = "builtin:llama-3.2-1b"
+    llm = LLM(**MODEL, **kw)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.verify_graphs, "no verify graphs captured"
+    assert graphs.verify_len == 5
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]  # batched
+    got1 = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts[:2]]  # one by one
+    stats = llm.engine.core.spec.stats
+    assert graphs.num_verify_replays > 0
+    assert stats.num_draft_tokens > 0
+    if method == "draft":
+        assert stats.acceptance_rate > 0.9, stats.acceptance_rate
+    assert got == want
+    assert got1 == want[:2]
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+class _EagerGraph:
+    """On the CPU, where no CUDA graph can be captured: ``replay()`` makes the call a captured
+    graph would replay (the model over the persistent input buffers) into its static output."""
+
+    def __init__(self, graphs, bs: int):
+        self.graphs, self.bs = graphs, bs
+        rows = bs * graphs.verify_len
+        self.call = lambda: graphs.runner.model(graphs.input_ids[:rows], graphs.positions[:rows],
+                                                graphs.verify_metadata(bs))
+
+    def replay(self) -> None:
+        self.graphs.verify_outputs[self.bs].copy_(self.call())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in; the GPU runs the real graphs above")
+def test_verify_step_staging_on_the_cpu():
+    """What a verify graph reads, staged by ``run_verify`` (token rows of each sequence packed,
+    query start offsets, padded rows and sequences, logits rows), gives the eager forward's
+    greedy tokens: the embedded default with n-gram drafts on the copy prompts, batched and
+    one by one, the verify steps all through the staged buffers."""
+    from test_spec_decode import COPY_PROMPTS  # noqa: PLC0415
+
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.decode_graphs import DecodeGraphs
+
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
+    base = dict(num_kv_blocks=64, max_num_batched_tokens=128, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in LLM(**base).generate(COPY_PROMPTS, sp)]
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, **base)
+    runner = llm.engine.runner
+    g = DecodeGraphs(runner, 4, llm.engine.max_model_len, verify_len=5, verify_max_seqs=4)
+    hidden = llm.engine.model_config.hidden_size
+    for bs in g.verify_sizes:
+        g.verify_outputs[bs] = torch.empty(bs * g.verify_len, hidden, dtype=runner.dtype)
+        g.verify_graphs[bs] = _EagerGraph(g, bs)
+    assert g.verify_sizes == [1, 2, 4] and not g.graphs  # decode steps stay eager
+    runner.decode_graphs = g
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(COPY_PROMPTS, sp)]
+        got1 = [llm.generate([p], sp)[0].outputs[0].token_ids for p in COPY_PROMPTS[:2]]
+    finally:
+        runner.decode_graphs = None
+    assert g.num_verify_replays > 0 and llm.engine.core.spec.stats.num_accepted_tokens > 0
+    assert got == want and got1 == want[:2]
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
