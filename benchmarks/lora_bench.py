@@ -14,8 +14,9 @@ On the CPU (a check that it runs; numbers mean nothing): ``--model FOLDER`` with
 Each mode runs in its own process (one engine per GPU at a time): ``base`` (no LoRA),
 ``lora`` (``enable_lora``, ``max_loras`` = adapters, request i uses adapter i mod N) and
 ``lora-idle`` (LoRA on, every request on the base: the cost of the wrapped linears alone).
-Adapters are random PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``)
-written with safetensors; no peft needed.  Prints tokens/s per mode and the relative cost.
+Adapters are the builtin random ones (``builtin:random?rank=R&seed=k&targets=...``, PEFT folders
+written by ``kiln.runtime.lora.builtin`` for the model's shapes, as ``kiln adapter fetch`` writes
+them); no peft needed.  Prints tokens/s per mode and the relative cost.
 """
 
 from __future__ import annotations
@@ -31,33 +32,19 @@ from pathlib import Path
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int]:
-    """``(hf module -> (in, out), layers)`` of ``model`` (its config, no weights read)."""
+def write_adapters(ns: argparse.Namespace, root: Path) -> dict[str, str]:
+    """The builtin random adapters ``a0..a{N-1}`` (seed k) for ``ns.model``'s shapes (its
+    config; no weights read): ``{name: folder}``."""
+    from kiln.common.adapterref import BuiltinAdapter
     from kiln.runtime import loader
-    from kiln.runtime.lora.peft_format import module_shapes
+    from kiln.runtime.lora.builtin import write_builtin_adapter
 
-    cfg = loader.load_model_config(loader.resolve_source(model))
-    return module_shapes(cfg), cfg.num_hidden_layers
-
-
-def write_adapter(folder: Path, rank: int, targets: list[str], seed: int, shapes: dict, num_layers: int) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(num_layers):
-        for m in targets:
-            fin, fout = shapes[m]
-            part = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            pre = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{pre}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) / fin**0.5).to(torch.bfloat16)
-            tensors[f"{pre}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.01).to(torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "bias": "none",
-        "base_model_name_or_path": "random"}))
+    cfg = loader.load_model_config(loader.resolve_source(ns.model))
+    out = {}
+    for k in range(ns.num_adapters):
+        ref = BuiltinAdapter.from_string(f"builtin:random?rank={ns.rank}&seed={k}&targets={ns.targets}")
+        out[f"a{k}"] = str(write_builtin_adapter(root / f"a{k}", ref, cfg))
+    return out
 
 
 def run_mode(ns: argparse.Namespace) -> dict:
@@ -67,14 +54,7 @@ def run_mode(ns: argparse.Namespace) -> dict:
 
     t_start = time.perf_counter()
     lora = ns.mode in ("lora", "lora-idle")
-    adapters = {}
-    if lora:
-        root = Path(tempfile.mkdtemp(prefix="kiln-lora-bench-"))
-        targets = ns.targets.split(",")
-        shapes, num_layers = model_shapes(ns.model)
-        for k in range(ns.num_adapters):
-            write_adapter(root / f"a{k}", ns.rank, targets, seed=k, shapes=shapes, num_layers=num_layers)
-            adapters[f"a{k}"] = str(root / f"a{k}")
+    adapters = write_adapters(ns, Path(tempfile.mkdtemp(prefix="kiln-lora-bench-"))) if lora else {}
     extra = dict(lora_modules=adapters, max_loras=max(ns.num_adapters, 1), max_lora_rank=ns.rank) if lora else {}
     llm = LLM(model=ns.model, load_format="dummy", max_num_seqs=ns.max_num_seqs,
               max_model_len=ns.input_len + ns.output_len + 16, **extra)

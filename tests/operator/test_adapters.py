@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from kiln.common.adapterref import BuiltinAdapter
 from kiln.operator import adapters as ad
 from kiln.operator import builders as b
 from kiln.operator.plan import Observed, plan
@@ -18,6 +19,7 @@ OWNER = {"name": "smollm2", "namespace": "team-a", "uid": "u-1"}
 HF = {"name": "sql", "huggingFace": {"repo": "org/sql-lora", "revision": "v1", "secretRef": {"name": "hf"},
                                      "endpoint": "http://mirror:9000"}}
 PVC = {"name": "chat", "pvc": {"claimName": "loras", "path": "chat/v2"}}
+BUILTIN = {"name": "demo", "builtin": {"name": "random", "rank": 8, "seed": 3, "targets": ["v_proj", "q_proj"]}}
 RAW = {"model": {"builtin": "smollm2-135m-instruct"}, "replicas": 2, "resources": {"gpus": 0},
        "runtime": {"lora": {"enabled": True}}}
 
@@ -81,11 +83,101 @@ def test_adapters_parse_with_defaults_and_keys():
     ([PVC], {"lora": {"enabled": False}}, "enabled: false"),
     ([PVC], {"lora": {"maxLoraRank": 128}}, "maxLoraRank: expected an integer in 1..64"),
     ([PVC], {"lora": {"maxLoras": 4, "maxCpuLoras": 2}}, "at least maxLoras"),
+    ([{**BUILTIN, **PVC, "name": "x"}], {}, "exactly one source of pvc, huggingFace, builtin"),
+    ([{"name": "x", "builtin": {"name": "nope"}}], {}, r"adapters\[0\].builtin: unknown builtin adapter 'nope'"),
+    ([{"name": "x", "builtin": "random"}], {}, r"adapters\[0\].builtin: expected an object"),
+    ([{"name": "x", "builtin": {"name": "random", "rank": 0}}], {}, r"builtin.rank: expected an integer in 1..64"),
+    ([{"name": "x", "builtin": {"name": "random", "rank": 65}}], {}, r"builtin.rank: expected an integer in 1..64"),
+    ([{"name": "x", "builtin": {"name": "random", "alpha": 0}}], {}, "builtin.alpha: expected a positive number"),
+    ([{"name": "x", "builtin": {"name": "random", "seed": -1}}], {}, "builtin.seed: expected an integer"),
+    ([{"name": "x", "builtin": {"name": "random", "targets": ["lm_head"]}}], {}, "'lm_head' is not a target"),
+    ([{"name": "x", "builtin": {"name": "random", "targets": []}}], {}, "targets: expected a non-empty list"),
+    ([{"name": "x", "builtin": {"name": "random", "size": 3}}], {}, "unknown parameter 'size'"),
 ])
 def test_bad_adapter_specs_name_the_field(adapters, runtime, message):
     raw = {"model": {**RAW["model"], "servedModelName": "base"}, "adapters": adapters, "runtime": runtime}
     with pytest.raises(EngineSpecError, match=message):
         parse_spec(raw)
+
+
+def test_builtin_adapters_parse_to_one_canonical_source_keyed_by_the_engine():
+    demo = spec([BUILTIN]).adapters[0]
+    assert demo.builtin == BuiltinAdapter("random", rank=8, alpha=8.0, seed=3, targets=("q_proj", "v_proj"))
+    assert demo.source == "builtin:random?rank=8&alpha=8&seed=3&targets=q_proj,v_proj"
+    assert BuiltinAdapter.from_string(demo.source) == demo.builtin
+    # defaults written out, another target order, another name: the same folder
+    spelled = {"name": "other", "builtin": {"name": "Random", "rank": 8.0, "alpha": 8, "seed": 3,
+                                            "targets": ["q_proj", "v_proj"]}}
+    assert spec([spelled]).adapters[0].key == demo.key
+    defaults = spec([{"name": "d", "builtin": {"name": "random"}}]).adapters[0]
+    assert defaults.source == "builtin:random?rank=16&alpha=16&seed=0&targets=" + ",".join(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # other parameters, or the same ones for another engine: another folder (shaped for that base)
+    assert spec([{**BUILTIN, "builtin": {**BUILTIN["builtin"], "seed": 4}}]).adapters[0].key != demo.key
+    raw = json.loads(json.dumps(RAW))
+    raw.update(adapters=[BUILTIN, PVC], build={"quantization": "fp8"})
+    fp8 = parse_spec(raw)
+    assert fp8.engine_hash != spec().engine_hash
+    assert fp8.adapters[0].base == fp8.engine_hash and fp8.adapters[0].key != demo.key
+    assert fp8.adapters[1].key == spec([PVC]).adapters[0].key  # a claim folder is the same for any engine
+
+
+@pytest.mark.parametrize("source, canonical", [
+    ("builtin:random", "builtin:random?rank=16&alpha=16&seed=0&targets=q_proj,k_proj,v_proj,o_proj,gate_proj,"
+                       "up_proj,down_proj"),
+    (" builtin:RANDOM?seed=9&alpha=0.5&rank=4&targets=down_proj,q_proj ",
+     "builtin:random?rank=4&alpha=0.5&seed=9&targets=q_proj,down_proj"),
+    ("builtin:random?alpha=1e1&rank=8&seed=0&targets=up_proj", "builtin:random?rank=8&alpha=10&seed=0&targets=up_proj"),
+])
+def test_builtin_source_strings_round_trip_to_one_spelling(source, canonical):
+    ref = BuiltinAdapter.from_string(source)
+    assert ref.to_cli() == canonical and BuiltinAdapter.from_string(canonical) == ref
+    assert BuiltinAdapter.from_dict(ref.to_dict(), "builtin") == ref
+
+
+@pytest.mark.parametrize("builtin, message", [
+    ({"name": "random", "rank": 0}, "adapters[0].builtin.rank: expected an integer in 1..64, got 0"),
+    ({"name": "lora-of-the-day"}, "adapters[0].builtin: unknown builtin adapter 'lora-of-the-day'"),
+])
+def test_bad_builtin_adapter_is_an_invalid_spec_condition(builtin, message):
+    """A builtin the operator cannot make (a resource written past the CRD's checks): the
+    reconcile reports Degraded / InvalidSpec naming the field, and creates nothing."""
+    from fakekube import FakeKube
+
+    from kiln.operator import constants as c
+    from kiln.operator.reconcile import Reconciler, ReconcilerConfig
+
+    kube = FakeKube()
+    kube.apply({"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": "smollm2", "namespace": "team-a"},
+                "spec": {"model": RAW["model"], "adapters": [{"name": "demo", "builtin": builtin}]}})
+    out = Reconciler(kube, ReconcilerConfig(emit_events=True)).reconcile(
+        kube.get(c.API_VERSION, c.KIND, "team-a", "smollm2"))
+    assert out.phase == c.PHASE_DEGRADED
+    status = kube.get(c.API_VERSION, c.KIND, "team-a", "smollm2")["status"]
+    degraded = next(x for x in status["conditions"] if x["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert message in degraded["message"]
+    assert not [k for k in kube.objects if k[1] in ("Job", "Deployment")]
+
+
+def test_the_lora_example_admits_and_parses_with_builtin_adapters():
+    """examples/smollm2-lora.yaml: admitted by the CRD (test_crd checks every example) and
+    parsed by the operator into builtin adapters whose fetch Jobs the real parser reads."""
+    import yaml
+
+    from crdcheck import ROOT, admit
+    from kiln.runtime.cli import build_parser
+
+    obj, errors = admit(yaml.safe_load((ROOT / "examples" / "smollm2-lora.yaml").read_text()))
+    assert errors == []
+    s = parse_spec(obj["spec"])
+    assert [(a.name, a.builtin.rank, a.builtin.targets) for a in s.adapters] == [
+        ("demo-a", 16, BuiltinAdapter().targets), ("demo-b", 8, ("q_proj", "v_proj"))]
+    assert s.runtime.lora.enabled and s.runtime.lora.max_lora_rank >= max(a.builtin.rank for a in s.adapters)
+    for a in s.adapters:
+        job = ad.adapter_job(s, {**OWNER, "name": "smollm2-lora"}, a, s.engine_hash)
+        fetch = build_parser().parse_args(job["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert BuiltinAdapter.from_string(fetch.source) == a.builtin
 
 
 def test_list_changes_neither_the_engine_nor_the_pod_template():
@@ -100,7 +192,7 @@ def test_list_changes_neither_the_engine_nor_the_pod_template():
 def test_generated_arguments_parse_with_the_real_cli():
     from kiln.runtime.cli import build_parser, engine_args_from
 
-    s = spec([HF, PVC], maxCpuLoras=8)
+    s = spec([HF, PVC, BUILTIN], maxCpuLoras=8)
     ns = build_parser().parse_args(["serve", *b.serve_args(s, s.engine_hash, OWNER)])
     args = engine_args_from(ns)
     assert args.lora_enabled and (args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (4, 16, 8)
@@ -122,6 +214,10 @@ def test_generated_arguments_parse_with_the_real_cli():
             env = {e["name"]: e for e in ctr["env"]}
             assert env["HF_ENDPOINT"]["value"] == "http://mirror:9000"
             assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+        elif a.builtin:
+            assert fetch.source == "builtin:random?rank=8&alpha=8&seed=3&targets=q_proj,v_proj"
+            assert BuiltinAdapter.from_string(fetch.source) == a.builtin and fetch.download_dir is None
+            assert [v["name"] for v in job["spec"]["template"]["spec"]["volumes"]] == ["engines", "tmp"]
         else:
             assert fetch.source == "/adapter-source/chat/v2"
             vols = job["spec"]["template"]["spec"]["volumes"]

@@ -243,6 +243,65 @@ def test_int4_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
     assert changed, "the adapter changed no output"
 
 
+def _round_inputs_to_fp8(hf) -> None:
+    """Make each decoder projection of ``hf`` see its input as W8A8 FP8 does: every token's
+    row rounded to E4M3 with the scale ``max|x[t, :]| / 448`` (torch's float8_e4m3fn cast).  A
+    forward pre-hook on the projection itself: peft's LoRA wraps it as ``base_layer``, so the
+    adapter's A still reads the unrounded input."""
+
+    def hook(_module, args):
+        (x,) = args
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+        return ((x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(x.dtype),
+
+    for name, mod in hf.named_modules():
+        if name.split(".")[-1] in ALL:
+            mod.register_forward_pre_hook(hook)
+
+
+def test_fp8_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
+    """LoRA on FP8 W8A8 linears (E4M3 weights with per-channel scales, rounded to nearest;
+    per-token E4M3 activations): Kiln's greedy outputs in a batch mixing the adapter and the
+    base equal peft's on a float model holding the dequantized base whose projections round
+    their input per token to E4M3 as Kiln's do (the delta adds to the FP8 output)."""
+    from peft import LoraConfig, get_peft_model
+
+    from kiln.runtime import LLM, SamplingParams
+
+    d = tmp_path / "base"
+    d.mkdir()
+    cfg = json.loads(open(_config(d) + "/config.json").read())
+    cfg.update(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(d), load_format="dummy", quantization="fp8", num_kv_blocks=64,
+              max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    lin, method = llm.engine.lora.methods[(0, "qkv_proj")]
+    assert type(method.base).__name__ == "Fp8LinearMethod" and lin.weight.dtype == torch.float8_e4m3fn
+    hf = _dequantized_peer(llm)
+    _round_inputs_to_fp8(hf)
+    torch.manual_seed(4)
+    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "k_proj",
+                                                                                          "o_proj", "up_proj",
+                                                                                          "down_proj"],
+                                                      init_lora_weights=False, lora_dropout=0.0))
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data.mul_(4.0)
+    pm.eval().save_pretrained(str(tmp_path / "ad"))
+    llm.add_lora("ad", str(tmp_path / "ad"))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 33, 17, 41)]
+    names = [None, "ad", "ad", None]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, sp, lora_request=[LoRARequest(n) if n else None for n in names])
+    changed = 0
+    for p, n, o in zip(prompts, names, outs):
+        assert o.outputs[0].token_ids == _greedy(pm if n else hf, p, 8), n
+        if n:
+            changed += o.outputs[0].token_ids != _greedy(hf, p, 8)
+    assert changed, "the adapter changed no output"
+
+
 def test_serve_flags_reach_engine_args():
     from kiln.runtime.cli import build_parser, engine_args_from, parse_lora_modules
 

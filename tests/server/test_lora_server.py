@@ -45,9 +45,14 @@ def lora_server(tmp_path_factory):
     from kiln.runtime.synthetic_tokenizer import build_tokenizer
 
     build_tokenizer(512, 1, [2]).save_pretrained(str(base))  # a real tokenizer for the random model
+    other = root / "other-base"  # another base: a wider MLP
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**json.loads((base / "config.json").read_text()),
+                                                   "intermediate_size": 192}))
     ads = {"a1": _peft_adapter(base, root / "a1", 8, ["q_proj", "v_proj", "down_proj"], 1),
            "a2": _peft_adapter(base, root / "a2", 4, ["o_proj", "gate_proj", "up_proj"], 2),
-           "big": _peft_adapter(base, root / "big", 32, ["q_proj"], 3)}
+           "big": _peft_adapter(base, root / "big", 32, ["q_proj"], 3),
+           "other": _peft_adapter(other, root / "other", 8, ["q_proj", "down_proj"], 4)}
     s = start_server("--model", str(base), "--load-format", "dummy", "--served-model-name", "base",
                      "--lora-modules", f"a1={ads['a1']}", "--max-loras", "2", "--max-lora-rank", "16",
                      "--num-kv-blocks", "512", api_key=KEY)
@@ -102,6 +107,26 @@ def test_models_select_load_unload_and_errors(lora_server):
     assert r.status_code == 200, r.text
     assert _complete(s, "a2", prompt).status_code == 404
     assert _tokens(_complete(s, "a1", prompt)) == a1 and _tokens(_complete(s, "base", prompt)) == base
+
+
+def test_adapter_of_another_base_is_refused_and_serving_goes_on(lora_server):
+    """An adapter peft made for a base with a wider MLP: the load is a 400 ``ShapeMismatch``
+    naming the tensor and both shapes, nothing is registered, and the base and the loaded
+    adapters answer as before."""
+    s, ads = lora_server
+    prompt = list(range(50, 70))
+    before = {m: _tokens(_complete(s, m, prompt)) for m in ("base", "a1")}
+    r = httpx.post(f"{s.v1}/load_lora_adapter", headers=H, json={"lora_name": "other", "lora_path": ads["other"]},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "ShapeMismatch", err
+    assert "down_proj.lora_A.weight has shape (8, 192), the base model needs (8, 128)" in err["message"], err
+    assert "trained for another base model" in err["message"]
+    assert "other" not in {m["id"] for m in httpx.get(f"{s.v1}/models", headers=H, timeout=10).json()["data"]}
+    assert _complete(s, "other", prompt).status_code == 404
+    assert {m: _tokens(_complete(s, m, prompt)) for m in ("base", "a1")} == before
+    assert httpx.get(f"{s.base}/ready", timeout=10).status_code == 200
 
 
 def test_load_unload_while_32_streams_run(lora_server):

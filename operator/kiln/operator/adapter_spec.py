@@ -1,11 +1,12 @@
 """``spec.adapters`` and ``spec.runtime.lora`` as typed values (part of ``spec.parse_spec``).
 
 An adapter is a PEFT LoRA folder served beside the base model under its own ``name`` (the
-``model`` of a request).  Its source is a folder on a claim (``pvc``) or a Hugging Face Hub
-repository (``huggingFace``); a Job (``kiln adapter fetch``) copies or downloads it onto the
-engine cache claim under ``.adapters/<key>`` and checks it against the engine, and the
-operator loads it into the running pods.  Adapters are not part of the engine hash: changing
-the list changes neither the engine nor the pod template.
+``model`` of a request).  Its source is a folder on a claim (``pvc``), a Hugging Face Hub
+repository (``huggingFace``) or a builtin adapter (``builtin``: seeded random weights shaped for
+the engine's model, ``kiln.common.adapterref``); a Job (``kiln adapter fetch``) copies,
+downloads or writes it onto the engine cache claim under ``.adapters/<key>`` and checks it
+against the engine, and the operator loads it into the running pods.  Adapters are not part
+of the engine hash: changing the list changes neither the engine nor the pod template.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kiln.common.adapterref import BuiltinAdapter
 from kiln.common.enginespec import EngineSpecError, _claim_path
 
 from .specfields import _section as _obj
@@ -45,6 +47,9 @@ class AdapterSpec:
         hf_repo / hf_revision: a Hub repository and revision (None: its default branch), or None.
         hf_token: the Secret key exposed to the fetch Job as ``HF_TOKEN``, or None.
         hf_endpoint: a Hub mirror's base URL (the fetch Job's ``HF_ENDPOINT``), or None.
+        builtin: a builtin adapter, or None.
+        base: the engine hash a builtin adapter is shaped for (part of its key: the same
+            parameters on another base are another folder); None for other sources.
     """
 
     name: str
@@ -54,20 +59,30 @@ class AdapterSpec:
     hf_revision: str | None = None
     hf_token: HubSecret | None = None
     hf_endpoint: str | None = None
+    builtin: BuiltinAdapter | None = None
+    base: str | None = None
 
     @property
     def source(self) -> str:
-        """The source as one string: ``pvc://CLAIM/PATH`` or ``hf://REPO[@REV]``."""
+        """The source as one string: ``pvc://CLAIM/PATH``, ``hf://REPO[@REV]`` or the builtin's
+        canonical ``builtin:NAME?rank=...`` (what ``kiln adapter fetch --source`` reads)."""
         if self.pvc_claim:
             return f"pvc://{self.pvc_claim}/{self.pvc_path}"
+        if self.builtin is not None:
+            return self.builtin.to_cli()
         return f"hf://{self.hf_repo}" + (f"@{self.hf_revision}" if self.hf_revision else "")
 
     @property
     def key(self) -> str:
         """The adapter's folder name on the engine cache claim: 16 hex chars of sha256 of
         the source's canonical JSON (the same source gives the same folder, whoever names it;
-        a mirror endpoint or token is not part of it)."""
-        doc = {"pvc": [self.pvc_claim, self.pvc_path]} if self.pvc_claim else {"hf": [self.hf_repo, self.hf_revision]}
+        a mirror endpoint or token is not part of it; a builtin's base engine is)."""
+        if self.pvc_claim:
+            doc: dict = {"pvc": [self.pvc_claim, self.pvc_path]}
+        elif self.builtin is not None:
+            doc = {"builtin": [self.builtin.to_cli(), self.base]}
+        else:
+            doc = {"hf": [self.hf_repo, self.hf_revision]}
         return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
@@ -101,7 +116,7 @@ def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None, low: 
     return v
 
 
-def _adapter(raw: Any, path: str) -> AdapterSpec:
+def _adapter(raw: Any, path: str, base: str | None) -> AdapterSpec:
     if not isinstance(raw, Mapping):
         raise EngineSpecError(f"{path}: expected an object")
     name = _str(raw, "name", f"{path}.name")
@@ -109,8 +124,11 @@ def _adapter(raw: Any, path: str) -> AdapterSpec:
         raise EngineSpecError(f"{path}.name: {name!r} is not a model name (letters, digits and . _ : / -, a letter "
                               "or digit first, at most 256 characters)")
     pvc, hf = _obj(raw, "pvc", f"{path}.pvc"), _obj(raw, "huggingFace", f"{path}.huggingFace")
-    if bool(pvc) == bool(hf):
-        raise EngineSpecError(f"{path}: exactly one source of pvc, huggingFace is required")
+    builtin = raw.get("builtin")
+    if [bool(pvc), bool(hf), builtin is not None].count(True) != 1:
+        raise EngineSpecError(f"{path}: exactly one source of pvc, huggingFace, builtin is required")
+    if builtin is not None:
+        return AdapterSpec(name, builtin=BuiltinAdapter.from_dict(builtin, f"{path}.builtin"), base=base)
     if pvc:
         claim = _str(pvc, "claimName", f"{path}.pvc.claimName")
         if claim is None:
@@ -130,9 +148,11 @@ def _adapter(raw: Any, path: str) -> AdapterSpec:
                        hf_token=token, hf_endpoint=_str(hf, "endpoint", f"{path}.huggingFace.endpoint"))
 
 
-def parse_adapters(raw: Mapping[str, Any], served_name: str | None) -> tuple[AdapterSpec, ...]:
+def parse_adapters(raw: Mapping[str, Any], served_name: str | None, base: str | None = None
+                   ) -> tuple[AdapterSpec, ...]:
     """``spec.adapters``.  ``served_name``: the base model's served name (an adapter may not
-    take it; None: the resource's name, not known here).  Raises ``EngineSpecError``."""
+    take it; None: the resource's name, not known here); ``base``: the engine hash builtin
+    adapters are shaped for.  Raises ``EngineSpecError``."""
     items = raw.get("adapters")
     if items is None:
         return ()
@@ -140,7 +160,7 @@ def parse_adapters(raw: Mapping[str, Any], served_name: str | None) -> tuple[Ada
         raise EngineSpecError(f"adapters: expected a list, got {type(items).__name__}")
     if len(items) > MAX_ADAPTERS:
         raise EngineSpecError(f"adapters: at most {MAX_ADAPTERS} adapters, got {len(items)}")
-    out = [_adapter(a, f"adapters[{i}]") for i, a in enumerate(items)]
+    out = [_adapter(a, f"adapters[{i}]", base) for i, a in enumerate(items)]
     seen: set[str] = set()
     for i, a in enumerate(out):
         if a.name in seen:

@@ -7,7 +7,8 @@ The path of an adapter, as data:
 1. ``spec.adapters[i]`` (``adapter_spec.AdapterSpec``) names a source; its ``key`` names the
    folder ``/engines/.adapters/<key>`` on the engine cache claim.
 2. Once the engine is complete, a Job per adapter (``adapter_job``) runs ``kiln adapter fetch``:
-   download or copy, check against the engine (rank, shapes), write the folder atomically.  A
+   download, copy or (a builtin adapter) write for the engine's model, check against the engine
+   (rank, shapes), write the folder atomically.  A
    failed Job keeps its failure (no retry storm) until the source changes; an adapter removed
    from the spec has its Job deleted (the folder stays, like an engine).
 3. The ConfigMap ``<name>-adapters`` lists the fetched adapters ``{name: key}``; the pods mount

@@ -367,7 +367,7 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
     build = _section(raw, "build", "build")
     rollout = _section(raw, "rollout", "rollout")
     model = _model(raw)
-    adapters = parse_adapters(raw, model.served_model_name)
+    adapters = parse_adapters(raw, model.served_model_name, engine.hash())
     return InferenceEngineSpec(
         engine=engine,
         model=model,
