@@ -106,6 +106,31 @@ def test_build_calibration_needs_a_claim_file_and_its_checksum():
         assert errors, bad
 
 
+def test_build_calibration_from_a_hub_dataset_file():
+    base = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"}}
+    hf = {"repo": "org/calib", "revision": "0" * 40, "path": "data/cal.jsonl", "secretRef": {"name": "hf"},
+          "endpoint": "http://mirror:8080"}
+
+    def admit_cal(cal):
+        return admit({**base, "spec": {"model": {"builtin": "smollm2-135m-instruct"},
+                                       "build": {"quantization": "fp8", "calibration": cal}}})
+
+    for ok in ({"huggingFace": hf}, {"huggingFace": {"repo": "org/calib", "path": "c.txt"}},
+               {"huggingFace": hf, "checksum": "sha256:" + "ab" * 32}):
+        obj, errors = admit_cal(ok)
+        assert errors == [], (ok, errors)
+        engine_hash(obj["spec"])  # what the API server admits, the operator parses
+    assert obj["spec"]["build"]["calibration"]["huggingFace"]["secretRef"] == {"name": "hf", "key": "token"}
+    pvc = {"claimName": "data", "path": "cal.jsonl"}
+    for bad, msg in (({"huggingFace": {"repo": "org/calib"}}, "path"),
+                     ({"huggingFace": {**hf, "repo": "calib"}}, "repo"),
+                     ({"huggingFace": hf, "pvc": pvc, "checksum": "sha256:" + "ab" * 32}, "exactly one source"),
+                     ({"checksum": "sha256:" + "ab" * 32}, "exactly one source"),
+                     ({"pvc": pvc}, "checksum is required with pvc")):
+        _, errors = admit_cal(bad)
+        assert any(msg in e for e in errors), (bad, errors)
+
+
 def test_unknown_enum_is_rejected():
     _, errors = admit({"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceEngine", "metadata": {"name": "a"},
                        "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "build": {"quantization": "int3"}}})

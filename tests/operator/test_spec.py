@@ -49,6 +49,9 @@ def test_defaults_are_the_crds():
             got = parse_spec({**MINIMAL, "runtime": {"speculative": {"method": "draft", "draftModel": {
                 "huggingFace": {"repo": "org/small", "secretRef": {"name": "hf"}}}}}}
                              ).runtime.speculative.draft_model.hf_token.key
+        elif path == ("build", "calibration", "huggingFace", "secretRef", "key"):
+            got = parse_spec({**MINIMAL, "build": {"calibration": {"huggingFace": {
+                "repo": "org/calib", "path": "c.jsonl", "secretRef": {"name": "hf"}}}}}).build.calibration_hf_token.key
         elif path[0] == "resources" and path[1] in ("requests", "limits"):
             got = getattr(parsed.resources.compute, path[1])
         elif path[:2] == ("autoscaling", "keda"):

@@ -231,7 +231,8 @@ class BuildSpec:
                        "max_num_tokens": self.max_num_tokens},
         }
         if self.calibrates:  # the data's bytes, not where they live: different data, different engine
-            d["calibration_data"] = {"sha256": self.calibration.checksum if self.calibration else DEFAULT_CALIBRATION_SHA256}
+            d["calibration_data"] = (self.calibration.to_dict() if self.calibration
+                                     else {"sha256": DEFAULT_CALIBRATION_SHA256})
         return d
 
     def hash(self, length: int = HASH_LENGTH) -> str:
@@ -255,8 +256,9 @@ class BuildSpec:
         if self.calibrates:
             args += ["--calibration-samples", str(self.calibration_samples)]
             if self.calibration:
-                args += ["--calibration-data", self.calibration.to_cli(calibration_mount),
-                         "--calibration-checksum", self.calibration.checksum]
+                args += ["--calibration-data", self.calibration.to_cli(calibration_mount)]
+                if self.calibration.checksum:
+                    args += ["--calibration-checksum", self.calibration.checksum]
         args += ["--max-seq-len", str(self.max_seq_len), "--max-batch-size", str(self.max_batch_size),
                  "--max-num-tokens", str(self.max_num_tokens)]
         if self.source.checksum:

@@ -1,11 +1,14 @@
 """A local server that speaks the parts of the Hugging Face Hub's HTTP API that
-``huggingface_hub`` (1.x) calls to download a model snapshot, for tests and the test plane.
+``huggingface_hub`` (1.x) calls to download a model snapshot or a dataset's file, for tests and
+the test plane.
 
 Endpoints (as the real Hub answers them):
 
 - ``GET /api/models/{org}/{name}`` and ``.../revision/{rev}``: ``model_info``; JSON with
   ``id``, ``sha`` (the commit) and ``siblings`` (``rfilename`` each).
-- ``HEAD`` / ``GET /{org}/{name}/resolve/{rev}/{path}``: a file, with ``X-Repo-Commit``,
+- ``GET /api/datasets/{org}/{name}`` and ``.../revision/{rev}``: ``dataset_info``, the same JSON.
+- ``HEAD`` / ``GET /{org}/{name}/resolve/{rev}/{path}`` (a dataset's:
+  ``/datasets/{org}/{name}/resolve/...``): a file, with ``X-Repo-Commit``,
   ``ETag`` (the file's sha256, quoted) and ``Content-Length``; ``Range: bytes=N-`` gives 206
   with ``Content-Range`` (how the client resumes an ``.incomplete`` file).
 - Errors with ``X-Error-Code``: 404 ``RepoNotFound`` / ``RevisionNotFound`` /
@@ -13,7 +16,8 @@ Endpoints (as the real Hub answers them):
 
 Faults for tests: ``drop_gets`` (a file GET sends its headers and ``drop_after`` bytes of the
 body, then closes the connection; ``drop_gets`` counts down, -1 forever).  ``gets`` counts the
-file GETs served, per ``(repo, path)``; ``infos`` the ``model_info`` requests.
+file GETs served, per ``(repo, path)`` (a dataset's repo as ``datasets/org/name``); ``infos``
+the ``model_info`` and ``dataset_info`` requests.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class HubServer:
 
     def __init__(self, port: int = 0):
         self.repos: dict[str, HubRepo] = {}
+        self.datasets: dict[str, HubRepo] = {}
         self.gets: dict[tuple[str, str], int] = {}
         self.infos = 0  # model_info requests answered (any status)
         self.drop_gets = 0
@@ -75,6 +80,13 @@ class HubServer:
         """Serve ``folder`` as ``repo`` (``org/name``); ``sha`` defaults to one derived from the name."""
         r = HubRepo(Path(folder), sha or hashlib.sha1(repo.encode()).hexdigest(), tuple(refs), token)
         self.repos[repo] = r
+        return r
+
+    def add_dataset(self, repo: str, folder: Path, sha: str | None = None, refs: tuple[str, ...] = ("main",),
+                    token: str | None = None) -> HubRepo:
+        """Serve ``folder`` as dataset ``repo`` (``org/name``), as :meth:`add` a model."""
+        r = HubRepo(Path(folder), sha or hashlib.sha1(f"datasets/{repo}".encode()).hexdigest(), tuple(refs), token)
+        self.datasets[repo] = r
         return r
 
     def start(self) -> "HubServer":
@@ -125,9 +137,10 @@ def _handler(hub: HubServer):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _repo(self, repo: str, rev: str | None) -> HubRepo | None:
-            """The repo when it exists, is accessible and has ``rev``; else answers the error."""
-            r = hub.repos.get(repo)
+        def _repo(self, repo: str, rev: str | None, dataset: bool = False) -> HubRepo | None:
+            """The repo (a dataset's when ``dataset``) when it exists, is accessible and has
+            ``rev``; else answers the error."""
+            r = (hub.datasets if dataset else hub.repos).get(repo)
             if r is None:
                 self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}")
                 return None
@@ -146,12 +159,12 @@ def _handler(hub: HubServer):
             return r
 
         def _info(self, parts: list[str]) -> None:
-            # api/models/{org}/{name}[/revision/{rev}]
+            # api/{models,datasets}/{org}/{name}[/revision/{rev}]
             repo = "/".join(parts[2:4])
             rev = unquote(parts[5]) if len(parts) >= 6 and parts[4] == "revision" else None
             with hub._lock:
                 hub.infos += 1
-            r = self._repo(repo, rev)
+            r = self._repo(repo, rev, dataset=parts[1] == "datasets")
             if r is None:
                 return
             body = json.dumps({"_id": r.sha[:24], "id": repo, "modelId": repo, "sha": r.sha, "private": False,
@@ -163,10 +176,10 @@ def _handler(hub: HubServer):
             self.end_headers()
             self.wfile.write(body)
 
-        def _file(self, parts: list[str]) -> None:
-            # {org}/{name}/resolve/{rev}/{path...}
+        def _file(self, parts: list[str], dataset: bool = False) -> None:
+            # {org}/{name}/resolve/{rev}/{path...} (after datasets/ for a dataset's)
             repo, rev, name = "/".join(parts[:2]), unquote(parts[3]), unquote("/".join(parts[4:]))
-            r = self._repo(repo, rev)
+            r = self._repo(repo, rev, dataset)
             if r is None:
                 return
             path = r.folder / name
@@ -188,8 +201,9 @@ def _handler(hub: HubServer):
             self.end_headers()
             if self.command == "HEAD":
                 return
+            key = (f"datasets/{repo}" if dataset else repo, name)
             with hub._lock:
-                hub.gets[(repo, name)] = hub.gets.get((repo, name), 0) + 1
+                hub.gets[key] = hub.gets.get(key, 0) + 1
             drop = hub._take_drop()
             with open(path, "rb") as f:
                 f.seek(start)
@@ -204,8 +218,10 @@ def _handler(hub: HubServer):
 
         def _route(self) -> None:
             parts = [p for p in urlsplit(self.path).path.split("/") if p]
-            if len(parts) >= 4 and parts[:2] == ["api", "models"] and self.command == "GET":
+            if len(parts) >= 4 and parts[0] == "api" and parts[1] in ("models", "datasets") and self.command == "GET":
                 self._info(parts)
+            elif len(parts) >= 6 and parts[0] == "datasets" and parts[3] == "resolve":
+                self._file(parts[1:], dataset=True)
             elif len(parts) >= 5 and parts[2] == "resolve":
                 self._file(parts)
             else:

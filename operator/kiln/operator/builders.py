@@ -257,12 +257,15 @@ def build_job(spec: Spec, hash_: str, owners: Sequence[Mapping[str, Any]],
         mounts.append({"name": "calibration", "mountPath": CALIBRATION_MOUNT, "readOnly": True})
         volumes.append({"name": "calibration", "persistentVolumeClaim": {
             "claimName": bs.calibration.claim_name, "readOnly": True}})
-    if model.hf_token:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": model.hf_token.name, "key": model.hf_token.key}}})
-    if model.hf_endpoint:
-        env.append({"name": "HF_ENDPOINT", "value": model.hf_endpoint})
-    if model.hf_repo:  # the download cache on the claim: another build of the model downloads nothing
+    hub_data = bs.calibrates and bs.calibration is not None and bs.calibration.kind == "huggingFace"
+    # one HF_TOKEN / HF_ENDPOINT for the model and a calibration dataset (spec.py refuses two)
+    token = model.hf_token or (spec.build.calibration_hf_token if hub_data else None)
+    endpoint = model.hf_endpoint or (spec.build.calibration_hf_endpoint if hub_data else None)
+    if token:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    if endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": endpoint})
+    if model.hf_repo or hub_data:  # the download cache on the claim: another build of the model downloads nothing
         args += ["--download-dir", f"{c.DEFAULT_CACHE_ROOT}/{HF_CACHE_SUBPATH}"]
     container: Obj = {
         "name": c.CONTAINER_NAME, "image": _image(spec, default_image),

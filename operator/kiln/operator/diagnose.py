@@ -120,9 +120,11 @@ def deployment_problem(dep: Mapping[str, Any] | None) -> Problem | None:
     return None
 
 
-# ``kiln build``'s Hub download failures (``kiln.runtime.hub.HubError``: "REASON: message" in its
+# ``kiln build``'s Hub download failures, of the model or of a calibration dataset
+# (``kiln.runtime.hub.HubError``: "REASON: message" in its
 # termination message) -> the Degraded reason; any other failed build is BuildFailed.
-HUB_FAILURE_REASONS = ("ModelNotFound", "RevisionNotFound", "Unauthorized", "DownloadFailed", "UnsupportedModel")
+HUB_FAILURE_REASONS = ("ModelNotFound", "DatasetNotFound", "RevisionNotFound", "Unauthorized", "DownloadFailed",
+                       "UnsupportedModel")
 # an engine that failed its accuracy gate (kiln build exit 3) is AccuracyGateFailed
 _HUB_FAILURE = re.compile(r"kiln build: (" + "|".join(HUB_FAILURE_REASONS + ("AccuracyGateFailed",)) + r"): ")
 

@@ -95,6 +95,10 @@ class BuildJobSpec:
     scratch_size: str = "64Gi"  # the download folder (/tmp): ephemeral-storage request and size limit
     # build.accuracyGate: (maxPerplexityIncrease | None, minGreedyAgreement | None, numPrompts) or None
     accuracy_gate: tuple[float | None, float | None, int] | None = None
+    # the Hub token and mirror of a build.calibration.huggingFace dataset (HF_TOKEN, HF_ENDPOINT
+    # of the build Job; the model's when it comes from the Hub), or None
+    calibration_hf_token: SecretKeyRef | None = None
+    calibration_hf_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -377,7 +381,8 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
             active_deadline_seconds=_int(build, "activeDeadlineSeconds", "build.activeDeadlineSeconds", 7200),
             resources=_compute(_section(build, "resources", "build.resources"), "build.resources"),
             scratch_size=str(build.get("scratchSize") or "64Gi"),
-            accuracy_gate=_gate(_section(build, "accuracyGate", "build.accuracyGate"))),
+            accuracy_gate=_gate(_section(build, "accuracyGate", "build.accuracyGate")),
+            **_calibration_hub(build, model)),
         runtime=_runtime(raw, engine, len(adapters)),
         resources=_resources(raw),
         replicas=_int(raw, "replicas", "replicas", 1),
@@ -392,6 +397,24 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceEngineSpec:
         suspend=_bool(raw, "suspend", "suspend", False),
         pod=parse_pod(raw),
         gateway=parse_gateway(raw))
+
+
+def _calibration_hub(build: Mapping[str, Any], model: ModelSpec) -> dict[str, Any]:
+    """The token Secret and mirror of ``build.calibration.huggingFace`` (defaults: the model's).
+    A build Job has one ``HF_TOKEN`` and one ``HF_ENDPOINT``: a Hub model and a Hub dataset
+    that name different ones are refused."""
+    where = "build.calibration.huggingFace"
+    hf = _section(_section(build, "calibration", "build.calibration"), "huggingFace", where)
+    token = _secret_ref(hf, "secretRef", f"{where}.secretRef", "token")
+    endpoint = _str(hf, "endpoint", f"{where}.endpoint", None)
+    if model.hf_repo and token is not None and model.hf_token is not None and token != model.hf_token:
+        raise EngineSpecError(f"{where}.secretRef: differs from model.huggingFace.secretRef; the build Job has one "
+                              f"HF_TOKEN (leave it out to use the model's)")
+    if model.hf_repo and endpoint is not None and endpoint != model.hf_endpoint:
+        raise EngineSpecError(f"{where}.endpoint: differs from model.huggingFace.endpoint; the build Job has one "
+                              f"HF_ENDPOINT (leave it out to use the model's)")
+    return {"calibration_hf_token": token or (model.hf_token if hf else None),
+            "calibration_hf_endpoint": endpoint or (model.hf_endpoint if hf else None)}
 
 
 def _gate(g: Mapping[str, Any]) -> tuple[float | None, float | None, int] | None:

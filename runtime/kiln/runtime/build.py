@@ -379,16 +379,19 @@ def _calibration(spec: BuildSpec, handler, cq, kv: bool, tok, say: ProgressRepor
 
     if not ((handler.needs_calibration and cq is None) or kv):
         return None, None
-    data = spec.calibration.path if spec.calibration else calibration.default_calibration_path()
+    data = spec.calibration.file if spec.calibration else calibration.default_calibration_path()
     try:
         samples, per_domain = calibration.calibration_samples_by_domain(tok, spec.calibration_samples, data=data)
         data_sha = calibration.sha256_of(data)
     except (ValueError, OSError) as e:  # CalibrationDataError: the file changed or vanished since the CLI read it
         raise BadInputError(f"calibration data: {e}") from e
-    if spec.calibration and data_sha != spec.calibration.checksum:
+    if spec.calibration and spec.calibration.checksum and data_sha != spec.calibration.checksum:
         raise BadInputError(f"calibration data {data}: checksum mismatch: expected {spec.calibration.checksum}, "
                             f"the file has {data_sha}")
-    calib_info = {"data": str(data) if spec.calibration else "kiln/runtime/data/" + data.name,
+    # a Hub dataset's file by its reference (repo@commit/path), a local file by its path
+    where = (spec.calibration.uri() if spec.calibration.kind == "huggingFace" else str(data)) if spec.calibration \
+        else "kiln/runtime/data/" + data.name
+    calib_info = {"data": where,
                   "data_sha256": data_sha, "samples_requested": spec.calibration_samples,
                   "samples_used": len(samples), "samples_per_domain": per_domain,
                   "sample_tokens": calibration.SAMPLE_TOKENS}

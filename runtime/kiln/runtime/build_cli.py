@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 from kiln.common.enginespec import (
     BUILD_DEFAULTS,
@@ -48,8 +49,9 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="where the claim of a --model pvc://CLAIM/PATH source is mounted; the source is "
                              "read from MOUNT/PATH and hashed as the claim path (default: %(default)s)")
     parser.add_argument("--download-dir", default=None,
-                        help="download cache for --model hf://org/name[@revision] (default: $HF_HOME/hub); "
-                             "HF_TOKEN and HF_ENDPOINT (a mirror) are read from the environment")
+                        help="download cache for --model hf://org/name[@revision] and --calibration-data "
+                             "hf://datasets/... (default: $HF_HOME/hub); HF_TOKEN and HF_ENDPOINT (a mirror) are "
+                             "read from the environment")
     parser.add_argument("--output", required=True, help="engine folder to create (written atomically)")
     parser.add_argument("--quantization", default=d["quantization"],
                         help=f"one of {', '.join(QUANTIZATION_METHODS)}; auto keeps a pre-quantized checkpoint's "
@@ -66,9 +68,13 @@ def add_build_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--calibration-data", default=None, metavar="FILE",
                         help="calibration data: plain UTF-8 text, or JSONL records {\"text\": ...} or "
                              "{\"messages\": [...]} (chats, rendered through the chat template), optional "
-                             "\"domain\" (default: the shipped mixture; its sha256 is part of the hash)")
+                             "\"domain\"; a local file (its sha256 is part of the hash) or a Hub dataset's file "
+                             "hf://datasets/org/name[@revision]/path/in/repo (downloaded as --model hf://; the "
+                             "revision is resolved to a commit once, and repo, commit and path are part of the "
+                             "hash) (default: the shipped mixture)")
     parser.add_argument("--calibration-checksum", default=None,
-                        help=f"{CHECKSUM_ALGORITHM}:<hex> the --calibration-data file must have")
+                        help=f"{CHECKSUM_ALGORITHM}:<hex> the --calibration-data file must have (for a Hub "
+                             f"dataset's file: also part of the hash)")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="also quantize the LM head (int4-awq and int4-gptq only; part of the hash)")
     parser.add_argument("--max-seq-len", type=int, default=d["maxSeqLen"])
@@ -142,12 +148,15 @@ def _checksum_error(checksum: str) -> str | None:
 
 
 def _calibration_ref(args: argparse.Namespace) -> CalibrationRef | None:
-    """``--calibration-data`` as a spec reference: the file read and checked (every record,
-    so a malformed line fails now, not after the model has loaded) and its checksum.
+    """``--calibration-data`` as a spec reference: a local file read and checked (every record,
+    so a malformed line fails now, not after the model has loaded) and its checksum; a Hub
+    dataset's file (``hf://datasets/...``) with its revision resolved to a commit (the file is
+    downloaded and checked by :func:`_download_calibration`).
 
     Raises:
         ValueError: a checksum without data, a malformed checksum, a file that cannot be used
             (``CalibrationDataError``), or a checksum mismatch.
+        hub.HubError: an unknown dataset, revision or file, refused access, no connection.
     """
     path = getattr(args, "calibration_data", None)
     want = getattr(args, "calibration_checksum", None)
@@ -161,6 +170,13 @@ def _calibration_ref(args: argparse.Namespace) -> CalibrationRef | None:
             raise ValueError(err.replace("--source-checksum", "--calibration-checksum"))
     if not path.strip():
         raise ValueError("--calibration-data must not be empty")
+    ds = hub.parse_dataset_file(path)
+    if ds is not None:
+        from .config import env_hub_options  # noqa: PLC0415
+
+        ref, in_repo = ds
+        sha = hub.resolve_dataset_file(ref, in_repo, env_hub_options(getattr(args, "download_dir", None)))
+        return CalibrationRef(kind="huggingFace", path=in_repo, checksum=want, repo=ref.repo, revision=sha)
     from .quantization.calibration_data import read_records, sha256_of  # noqa: PLC0415
 
     try:
@@ -171,6 +187,31 @@ def _calibration_ref(args: argparse.Namespace) -> CalibrationRef | None:
     if want is not None and want.strip().lower() != got:
         raise ValueError(f"--calibration-data {path}: checksum mismatch: expected {want}, the file has {got}")
     return CalibrationRef(kind="path", path=os.path.abspath(path), checksum=got)
+
+
+def _download_calibration(cal: CalibrationRef, args: argparse.Namespace, report) -> CalibrationRef:
+    """A Hub dataset's calibration file downloaded at its resolved commit and checked as a
+    local one (every record; the checksum when given): ``cal`` with ``local_path`` set.
+
+    Raises:
+        hub.HubError: the download cannot succeed.
+        BadInputError: the file is not calibration data, or has other bytes than the checksum.
+    """
+    from .config import env_hub_options  # noqa: PLC0415
+    from .quantization.calibration_data import read_records, sha256_of  # noqa: PLC0415
+
+    ref = hub.HubRef(cal.repo, cal.revision, repo_type="dataset")
+    local = hub.download_dataset_file(ref, cal.path, cal.revision, env_hub_options(getattr(args, "download_dir", None)),
+                                      progress=report)
+    try:
+        read_records(local)
+    except ValueError as e:
+        raise BadInputError(f"--calibration-data {cal.uri()}: {e}") from None
+    got = sha256_of(local)
+    if cal.checksum and got != cal.checksum:
+        raise BadInputError(f"--calibration-data {cal.uri()}: checksum mismatch: expected {cal.checksum}, "
+                            f"the file has {got}")
+    return replace(cal, local_path=str(local))
 
 
 def run_build(args: argparse.Namespace) -> int:
@@ -185,7 +226,7 @@ def run_build(args: argparse.Namespace) -> int:
         return _error(args, 2, err)
     try:
         calibration = _calibration_ref(args)
-    except ValueError as e:
+    except ValueError as e:  # also hub.HubError
         return _error(args, 2, str(e))
     model = args.model
     try:
@@ -239,6 +280,9 @@ def run_build(args: argparse.Namespace) -> int:
             report.stage("download", f"downloading {hub_ref.uri()}")
             folder, _ = hub.download(hub_ref, hub_opts, progress=report, resolved=resolved)
             model_src = str(folder)
+        if spec.calibration is not None and spec.calibration.kind == "huggingFace":
+            report.stage("download", f"downloading calibration data {spec.calibration.uri()}")
+            spec = replace(spec, calibration=_download_calibration(spec.calibration, args, report))
         check = None
         if gate.enabled:
             from .accuracy_gate import measure  # noqa: PLC0415

@@ -1,6 +1,8 @@
-"""The Hugging Face Hub as a model source: ``hf://ORG/NAME[@REVISION]`` or plain ``ORG/NAME``.
+"""The Hugging Face Hub as a model source: ``hf://ORG/NAME[@REVISION]`` or plain ``ORG/NAME``;
+and a file of a Hub dataset (calibration data): ``hf://datasets/ORG/NAME[@REVISION]/PATH``, the
+spelling of ``huggingface_hub``'s own ``HfFileSystem``.
 
-A snapshot is downloaded with ``huggingface_hub`` (``model_info`` for the commit sha and the
+A snapshot is downloaded with ``huggingface_hub`` (``repo_info`` for the commit sha and the
 file list, then ``hf_hub_download`` per file: its cache layout, ``.incomplete`` files resumed
 with a Range request, files of a cached commit not fetched again).  Only the files a model
 needs are fetched (``ALLOW_PATTERNS``).  The endpoint, token and cache folder come in as a
@@ -8,10 +10,10 @@ needs are fetched (``ALLOW_PATTERNS``).  The endpoint, token and cache folder co
 no environment variable.
 
 Errors are :class:`HubError` (a ``ValueError``) with one line and a ``reason``:
-``ModelNotFound``, ``RevisionNotFound``, ``Unauthorized``, ``DownloadFailed`` or
-``UnsupportedModel`` (``config.json``, fetched before any weight, names an architecture or
-shape Kiln cannot run); the message starts with the reason so a build's termination message
-carries it to the operator.
+``ModelNotFound``, ``DatasetNotFound`` (an unknown dataset, or a file it does not hold),
+``RevisionNotFound``, ``Unauthorized``, ``DownloadFailed`` or ``UnsupportedModel``
+(``config.json``, fetched before any weight, names an architecture or shape Kiln cannot run);
+the message starts with the reason so a build's termination message carries it to the operator.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 HF_SCHEME = "hf://"
+DATASETS_PREFIX = "datasets/"  # hf://datasets/ORG/NAME[@REV]/PATH: a dataset's file
 # What a model needs: config, weights, tokenizer, generation config, chat template
 ALLOW_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                   "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -48,19 +51,25 @@ class HubOptions:
 @dataclass(frozen=True)
 class HubRef:
     """A parsed Hub reference: ``repo`` ``org/name``, ``revision`` a branch, tag or commit
-    (None: the default branch)."""
+    (None: the default branch), ``repo_type`` ``model`` or ``dataset``."""
 
     repo: str
     revision: str | None = None
+    repo_type: str = "model"
 
     def uri(self) -> str:
-        """``hf://repo[@revision]``."""
-        return HF_SCHEME + self.repo + (f"@{self.revision}" if self.revision else "")
+        """``hf://repo[@revision]`` (``hf://datasets/repo[@revision]`` for a dataset)."""
+        kind = DATASETS_PREFIX if self.repo_type == "dataset" else ""
+        return HF_SCHEME + kind + self.repo + (f"@{self.revision}" if self.revision else "")
+
+    @property
+    def noun(self) -> str:
+        return "dataset" if self.repo_type == "dataset" else "model"
 
 
 class HubError(ValueError):
     """A Hub download that cannot succeed without a change; ``reason`` is one of
-    ModelNotFound, RevisionNotFound, Unauthorized, DownloadFailed, UnsupportedModel.  (A ValueError, as
+    ModelNotFound, DatasetNotFound, RevisionNotFound, Unauthorized, DownloadFailed, UnsupportedModel.  (A ValueError, as
     ``loader.ModelSourceError`` is; this module stays free of torch for the CLI's parser.)"""
 
     def __init__(self, reason: str, message: str):
@@ -78,6 +87,8 @@ def parse_ref(src: str | None) -> HubRef | None:
     if not src:
         return None
     s = str(src).strip()
+    if s.startswith(HF_SCHEME + DATASETS_PREFIX):
+        raise HubError("ModelNotFound", f"{src!r} names a dataset, not a model (expected hf://org/name[@revision])")
     explicit = s.startswith(HF_SCHEME)
     if explicit:
         s = s[len(HF_SCHEME):]
@@ -91,6 +102,26 @@ def parse_ref(src: str | None) -> HubRef | None:
     return HubRef(repo, rev or None)
 
 
+def parse_dataset_file(src: str | None) -> tuple[HubRef, str] | None:
+    """``hf://datasets/ORG/NAME[@REV]/PATH`` as ``(HubRef(repo_type="dataset"), PATH)``; None
+    for anything that does not start with ``hf://datasets/`` (a local file).
+
+    Raises:
+        HubError: reason DatasetNotFound for a reference without ``org/name`` or without a file path.
+    """
+    s = str(src or "").strip()
+    if not s.startswith(HF_SCHEME + DATASETS_PREFIX):
+        return None
+    parts = s[len(HF_SCHEME + DATASETS_PREFIX):].split("/")
+    repo, _, rev = "/".join(parts[:2]).partition("@")
+    path = "/".join(parts[2:])
+    if len(parts) < 3 or not _REPO_ID.match(repo) or (_ and not rev) or not path or ".." in parts[2:] \
+            or "" in parts[2:]:
+        raise HubError("DatasetNotFound", f"{src!r} does not name a dataset file "
+                                          f"(expected hf://datasets/org/name[@revision]/path/in/repo)")
+    return HubRef(repo, rev or None, repo_type="dataset"), path
+
+
 def _fail(ref: HubRef, e: Exception, opts: HubOptions) -> HubError:
     """The one-line :class:`HubError` for an exception of huggingface_hub or httpx."""
     import httpx  # noqa: PLC0415
@@ -100,11 +131,12 @@ def _fail(ref: HubRef, e: Exception, opts: HubOptions) -> HubError:
     if isinstance(e, errors.GatedRepoError) or (
             isinstance(e, errors.HfHubHTTPError) and getattr(e.response, "status_code", None) in (401, 403)):
         how = "the token was refused" if opts.token else "it needs a token (set HF_TOKEN)"
-        return HubError("Unauthorized", f"access to {ref.repo} on {where} denied: {how}")
+        return HubError("Unauthorized", f"access to {ref.noun} {ref.repo} on {where} denied: {how}")
     if isinstance(e, errors.RevisionNotFoundError):
-        return HubError("RevisionNotFound", f"revision {ref.revision!r} of {ref.repo} not found on {where}")
+        return HubError("RevisionNotFound", f"revision {ref.revision!r} of {ref.noun} {ref.repo} not found on {where}")
     if isinstance(e, errors.RepositoryNotFoundError):
-        return HubError("ModelNotFound", f"model {ref.repo} not found on {where}")
+        return HubError("DatasetNotFound" if ref.repo_type == "dataset" else "ModelNotFound",
+                        f"{ref.noun} {ref.repo} not found on {where}")
     if isinstance(e, errors.EntryNotFoundError):
         return HubError("DownloadFailed", f"a file of {ref.uri()} listed by {where} is missing there")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -130,7 +162,7 @@ def resolve_commit(ref: HubRef, opts: HubOptions, patterns: tuple[str, ...] = AL
 
     api = HfApi(endpoint=opts.endpoint, token=opts.token or False)
     try:
-        info = api.model_info(ref.repo, revision=ref.revision, timeout=opts.timeout_s)
+        info = api.repo_info(ref.repo, repo_type=ref.repo_type, revision=ref.revision, timeout=opts.timeout_s)
     except Exception as e:  # noqa: BLE001 - every failure becomes one classified line
         raise _fail(ref, e, opts) from None
     files = sorted(s.rfilename for s in (info.siblings or [])
@@ -138,6 +170,8 @@ def resolve_commit(ref: HubRef, opts: HubOptions, patterns: tuple[str, ...] = AL
     if not info.sha or not _COMMIT.match(info.sha):
         raise HubError("DownloadFailed", f"{opts.endpoint or 'the Hub'} gave no commit sha for {ref.uri()}")
     if required not in files:
+        if ref.repo_type == "dataset":
+            raise HubError("DatasetNotFound", f"{ref.uri()} has no file {required} (at commit {info.sha})")
         what = "a transformers model folder" if required == "config.json" else "a PEFT adapter"
         raise HubError("ModelNotFound", f"{ref.uri()} has no {required}: not {what}")
     return info.sha, files
@@ -189,16 +223,39 @@ def download(ref: HubRef, opts: HubOptions, progress: Callable[[str], None] | No
     folder: Path | None = None
     for i, name in enumerate(files, 1):
         try:
-            p = Path(hf_hub_download(ref.repo, name, revision=sha, cache_dir=opts.cache_dir, endpoint=opts.endpoint,
-                                     token=opts.token or False, etag_timeout=opts.timeout_s))
+            p = Path(hf_hub_download(ref.repo, name, repo_type=ref.repo_type, revision=sha, cache_dir=opts.cache_dir,
+                                     endpoint=opts.endpoint, token=opts.token or False, etag_timeout=opts.timeout_s))
         except Exception as e:  # noqa: BLE001
-            raise _fail(HubRef(ref.repo, ref.revision or sha), e, opts) from None
+            raise _fail(HubRef(ref.repo, ref.revision or sha, ref.repo_type), e, opts) from None
         say(f"[{i}/{len(files)}] {name} ({p.stat().st_size / 1e6:.1f} MB)")
         if name == "config.json" and check_config:
             check_model_config(p)
         folder = p.parents[len(Path(name).parts) - 1]
     assert folder is not None  # files holds the required file
     return folder, sha
+
+
+def resolve_dataset_file(ref: HubRef, path: str, opts: HubOptions) -> str:
+    """The commit sha ``ref.revision`` (or the dataset's default branch) points at now, checked
+    to hold ``path``.
+
+    Raises:
+        HubError: unknown dataset, revision or file (DatasetNotFound), refused access, no connection.
+    """
+    sha, _ = resolve_commit(ref, opts, patterns=(path,), required=path)
+    return sha
+
+
+def download_dataset_file(ref: HubRef, path: str, sha: str, opts: HubOptions,
+                          progress: Callable[[str], None] | None = None) -> Path:
+    """Download the file ``path`` of dataset ``ref`` at commit ``sha`` (from
+    :func:`resolve_dataset_file`) into the cache; returns the local file.
+
+    Raises:
+        HubError: the download cannot succeed.
+    """
+    folder, _ = download(ref, opts, progress=progress, resolved=(sha, [path]), required=path, check_config=False)
+    return folder / path
 
 
 def download_model_args(args):
