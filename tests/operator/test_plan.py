@@ -5,6 +5,7 @@ apply, children to delete, the status) comes out.
 """
 
 import copy
+import json
 
 import pytest
 
@@ -302,3 +303,73 @@ def test_a_failed_accuracy_gate_is_degraded_with_its_numbers_and_the_old_engine_
         "exitCode": 0, "message": format_build_report(h, 10, acc)}}}]}}
     p = plan(gate, observed(jobs=(job(h, "succeeded"),), build_pods=(ok,)), NOW)
     assert p.status["engine"]["accuracy"] == acc
+
+
+# -- runtime.tensorParallelSize against the built engine (the build's report: its shape) ----
+HUB_TP = {"model": {"huggingFace": {"repo": "org/llama"}}, "replicas": 2}
+
+
+def built_with(spec_, shape):
+    """A succeeded build of ``spec_``'s engine whose pod reported ``shape`` (a dict)."""
+    from kiln.common.enginecache import format_build_report
+
+    h = spec_.engine_hash
+    pod = {"metadata": {"name": "p"}, "status": {"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 0, "finishedAt": "2026-01-01T01:00:00Z", "message": format_build_report(h, 10, shape=shape)}}}]}}
+    return observed(jobs=(job(h, "succeeded"),), build_pods=(pod,))
+
+
+SHAPE = {"numAttentionHeads": 6, "numKeyValueHeads": 2, "headDim": 64, "intermediateSize": 1024}
+
+
+def test_a_tensor_parallel_size_the_built_engine_does_not_split_is_degraded_before_any_pod():
+    """A Hub model (heads unknown until built) at runtime.tensorParallelSize 4: the build's
+    report says 6 heads, 2 KV heads; the record keeps that shape, no Deployment is applied,
+    Degraded says why with the numbers; the Service is applied as usual.  The old
+    Deployment (another engine) keeps serving untouched."""
+    s = parse_spec({**HUB_TP, "runtime": {"tensorParallelSize": 4}})
+    p = plan(s, built_with(s, SHAPE), NOW)
+    assert kinds(p) == ["ConfigMap", "Service"] and p.built and p.serving_hash is None
+    assert json.loads(p.manifest("ConfigMap")["data"]["shape"]) == SHAPE
+    assert p.phase == c.PHASE_DEGRADED and p.requeue_after is None
+    assert reasons(p) == {"EngineBuilt": ("True", "BuildSucceeded"), "Available": ("False", "EngineNotBuilt"),
+                          "Progressing": ("False", "TensorParallelSizeInvalid"),
+                          "Degraded": ("True", "TensorParallelSizeInvalid")}
+    msg = cond(p, "Degraded")["message"]
+    assert f"engine {s.engine_hash}: runtime.tensorParallelSize 4 does not split the model's 6 attention heads " \
+           "and 2 KV heads" in msg, msg
+    # the same from the cached record, with an older engine's Deployment serving
+    old = "0" * 16
+    p = plan(s, observed(record=p.manifest("ConfigMap"), deployment=deployment(old, ready=2)), NOW)
+    assert "Deployment" not in kinds(p) and p.serving_hash == old and p.replicas == 2
+    assert reasons(p)["Degraded"] == ("True", "TensorParallelSizeInvalid") and p.status["readyReplicas"] == 2
+    # 2 splits 6 heads and 2 KV heads: the Deployment rolls out
+    s2 = parse_spec({**HUB_TP, "runtime": {"tensorParallelSize": 2}})
+    p = plan(s2, built_with(s2, SHAPE), NOW)
+    assert kinds(p) == ["ConfigMap", "Deployment", "Service"] and reasons(p)["Degraded"] == ("False", "AsExpected")
+
+
+@pytest.mark.parametrize("tp, shape, words", [
+    (4, {**SHAPE, "numAttentionHeads": 8, "numKeyValueHeads": 8, "intermediateSize": 1030},
+     "does not split the model's MLP intermediate size 1030"),
+    # 8 x 64 = 512 o_proj inputs: 128 per rank at 4, 64 at 8 (not a multiple of the group size 128)
+    (8, {**SHAPE, "numAttentionHeads": 8, "numKeyValueHeads": 8, "int4GroupSize": 128},
+     "does not split the int4 engine's o_proj (512 input features): each rank's 64 must be a multiple of the "
+     "group size 128"),
+])
+def test_tensor_parallel_size_checks_the_mlp_and_int4_groups(tp, shape, words):
+    s = parse_spec({**HUB_TP, "runtime": {"tensorParallelSize": tp}})
+    p = plan(s, built_with(s, shape), NOW)
+    assert "Deployment" not in kinds(p) and reasons(p)["Degraded"] == ("True", "TensorParallelSizeInvalid")
+    assert words in cond(p, "Degraded")["message"]
+    ok = parse_spec({**HUB_TP, "runtime": {"tensorParallelSize": 2}})
+    assert "Deployment" in kinds(plan(ok, built_with(ok, shape), NOW))
+
+
+def test_a_record_without_a_shape_leaves_the_check_to_kiln_serve():
+    """An engine recorded before builds reported their shape (or a report without one): the
+    Deployment rolls out and ``kiln serve`` checks the size at start."""
+    s = parse_spec({**HUB_TP, "runtime": {"tensorParallelSize": 4}})
+    for seen in (built_with(s, None), observed(record=record(s.engine_hash))):
+        p = plan(s, seen, NOW)
+        assert "Deployment" in kinds(p) and reasons(p)["Degraded"] == ("False", "AsExpected")

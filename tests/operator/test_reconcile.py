@@ -345,6 +345,40 @@ def test_tensor_parallel_size_that_does_not_split_the_heads_is_invalid(kube, rec
     assert rec.reconcile(ie(kube)).hash is not None
 
 
+def test_tensor_parallel_size_is_checked_against_the_built_engine(kube, rec):
+    """A Hub model's heads are known once its engine is built: the build pod's report (the
+    termination message ``kiln build`` writes) gives the shape, the record keeps it, and a
+    size that does not split it is Degraded / TensorParallelSizeInvalid with no Deployment;
+    the spec fixed to a size that splits it rolls out without another build."""
+    from kiln.common.enginecache import format_build_report
+
+    spec = {"model": {"huggingFace": {"repo": "org/llama"}}, "replicas": 1, "runtime": {"tensorParallelSize": 4}}
+    make_ie(kube, spec)
+    h = rec.reconcile(ie(kube)).hash
+    jname = b.job_name("kiln-engine-cache", h)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{jname}-x", "namespace": NS,
+                                                           "labels": b.build_labels("kiln-engine-cache", h)}}
+    kube.apply(pod)
+    shape = {"numAttentionHeads": 6, "numKeyValueHeads": 2, "headDim": 64, "intermediateSize": 1024}
+    kube.set_status("v1", "Pod", NS, pod["metadata"]["name"], {"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 0, "finishedAt": "2026-01-01T00:00:00Z", "message": format_build_report(h, 10, shape=shape)}}}]})
+    finish_job(kube, jname)
+    out = rec.reconcile(ie(kube))
+    assert out.built and out.phase == c.PHASE_DEGRADED
+    assert kube.get("apps/v1", "Deployment", NS, "smollm2") is None
+    assert kube.get("v1", "Service", NS, "smollm2") is not None
+    d = cond(ie(kube), "Degraded")
+    assert d["reason"] == "TensorParallelSizeInvalid" and "runtime.tensorParallelSize 4 does not split the " \
+        "model's 6 attention heads and 2 KV heads" in d["message"]
+    assert cond(ie(kube), "EngineBuilt")["status"] == "True"
+    make_ie(kube, {**spec, "runtime": {"tensorParallelSize": 2}})
+    out = rec.reconcile(ie(kube))
+    assert out.hash == h and out.phase == c.PHASE_DEPLOYING
+    dep = kube.get("apps/v1", "Deployment", NS, "smollm2")
+    assert "--tensor-parallel-size" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert cond(ie(kube), "Degraded")["status"] == "False"
+
+
 @pytest.mark.parametrize("runtime, build, word", [
     ({"maxNumSeqs": 128}, {}, "runtime.maxNumSeqs 128 is larger than build.maxBatchSize 64"),
     ({"maxNumBatchedTokens": 16384}, {"maxNumTokens": 4096}, "runtime.maxNumBatchedTokens 16384 is larger than "

@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo): TP = 2 and 4 give the greedy tokens of TP = 1 on the
 parity prompts (bytes as token ids) of a small random Llama in float32, with chunked prefill,
 prefix caching and preemption happening; so do float, int4, FP8 and INT8 engines sharded at
-load at TP = 2; a bad size is refused before any worker starts; a killed rank takes the
-server down with one error line."""
+load at TP = 2; a bad size (heads, int4 blocks, visible GPUs) is refused before any worker
+starts; a killed rank takes the server down with one error line, and a killed engine core
+takes its workers with it."""
 
 import json
 
@@ -41,10 +42,22 @@ def _prompts():
 def _run(model: str, tp: int):
     llm = LLM(model=model, tensor_parallel_size=tp, device="cpu", dtype="float32", num_kv_blocks=24, block_size=16,
               max_num_batched_tokens=32, max_model_len=384, cpu_threads=1)
+    sched = llm.engine.scheduler
+    schedule, chunks = sched.schedule, []
+
+    def recording_schedule(*a, **kw):  # the real scheduler's step plan, its partial prefills noted
+        out = schedule(*a, **kw)
+        chunks.extend(sr.request.num_prompt_tokens for sr in out.scheduled
+                      if sr.num_computed_tokens + sr.num_new_tokens < sr.request.num_prompt_tokens)
+        return out
+
+    sched.schedule = recording_schedule
     try:
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True))
-        sched = llm.engine.scheduler
-        stats = (sched.num_preemptions_total, sched.kv_cache_manager.prefix_cache_hits)
+        # (preemptions, prefix-cache hits, prompts longer than the token budget that a step
+        # prefilled only part of)
+        stats = (sched.num_preemptions_total, sched.kv_cache_manager.prefix_cache_hits,
+                 sum(n > 32 for n in chunks))
         return [o.outputs[0].token_ids for o in outs], stats
     finally:
         llm.engine.runner.close()
@@ -55,13 +68,67 @@ def test_tp_greedy_matches_tp1(tiny_model, tp):
     ref, ref_stats = _run(tiny_model, 1)
     got, stats = _run(tiny_model, tp)
     assert ref_stats[0] > 0 and ref_stats[1] > 0  # preemption and prefix-cache hits happened
-    assert stats[0] > 0
+    assert stats[0] > 0 and stats[2] > 0  # at TP too: preemption, chunked prefill (32-token budget)
     assert got == ref
 
 
 def test_tp_size_that_does_not_split_heads(tiny_model):
-    with pytest.raises(ValueError, match="does not split"):
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="tensor parallel size 3 does not split the model's 4 attention heads and 2 "
+                                         "KV heads"):
         LLM(model=tiny_model, tensor_parallel_size=3, device="cpu", dtype="float32")
+    assert not multiprocessing.active_children()  # refused before any worker started
+
+
+def test_check_devices_counts_the_visible_gpus(monkeypatch):
+    """``cuda`` (or ``auto`` where CUDA is available) with fewer visible GPUs than ranks is
+    refused with the numbers; the CPU (gloo) needs none."""
+    from kiln.runtime.distributed.parallel import check_devices
+
+    for visible in (0, 1, 2):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda v=visible: v)
+        check_devices("cpu", 2)
+        check_devices(torch.device("cpu"), 4)
+        for device in ("cuda", "auto", torch.device("cuda")):
+            if visible >= 2:
+                check_devices(device, 2)
+            elif device == "auto" and visible == 0:
+                check_devices(device, 2)  # auto without a GPU: the CPU
+            else:
+                word = "is" if visible == 1 else "are"
+                with pytest.raises(ValueError, match=f"tensor parallel size 2 needs 2 GPUs, but {visible} {word} "
+                                                     "visible"):
+                    check_devices(device, 2)
+
+
+def test_too_few_gpus_is_one_line_exit_2(tiny_model):
+    """``kiln serve --device cuda --tensor-parallel-size 2`` with no GPU visible: exit 2 and
+    one line on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "KILN_API_KEY": "k"}  # (no warning about a missing key)
+    r = subprocess.run([sys.executable, "-m", "kiln.runtime.cli", "serve", "--model", tiny_model, "--device", "cuda",
+                        "--tensor-parallel-size", "2", "--port", str(18000 + (os.getpid() + 250) % 1000)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["kiln: error: tensor parallel size 2 needs 2 GPUs, but 0 are visible "
+                                     "(CUDA_VISIBLE_DEVICES / nvidia.com/gpu)"], r.stderr
+
+
+def test_tensor_parallel_rule_agrees_with_the_runtime():
+    """``kiln.common.tensorparallel`` (the operator's check too) carries the int4 packing's
+    block size and the runtime's shape of a real model config."""
+    from kiln.common.tensorparallel import INT4_KBLOCK, ParallelShape
+    from kiln.kernels.int4_format import KBLOCK
+
+    assert INT4_KBLOCK == KBLOCK
+    cfg = ModelConfig.from_hf_dict(CONFIG)
+    assert ParallelShape.from_hf_config(CONFIG) == ParallelShape(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                                 cfg.head_dim, cfg.intermediate_size)
 
 
 def test_tp_float_engine_sharded_at_load(tiny_model, tmp_path):
@@ -72,7 +139,15 @@ def test_tp_float_engine_sharded_at_load(tiny_model, tmp_path):
 
     synthetic_tokenizer(259, 257, [258], tmp_path / "tok").save_pretrained(tiny_model)
     out = tmp_path / "engine"
-    assert build_main(["--model", tiny_model, "--output", str(out), "--device", "cpu"]) == 0
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    assert build_main(["--model", tiny_model, "--output", str(out), "--device", "cpu",
+                       "--termination-log", str(log)]) == 0
+    # the report the operator checks runtime.tensorParallelSize against (engine record's shape)
+    from kiln.common.enginecache import parse_build_report
+
+    assert parse_build_report(log.read_text())["shape"] == {
+        "numAttentionHeads": 4, "numKeyValueHeads": 2, "headDim": 16, "intermediateSize": 96}
     res = {}
     for tp in (1, 2):
         llm = LLM(engine=str(out), tensor_parallel_size=tp, device="cpu", dtype="float32", num_kv_blocks=24,
@@ -93,39 +168,71 @@ def _gauge(url: str, name: str) -> float:
     return sum(s.value for s in fams[name].samples) if name in fams else 0.0
 
 
+def _serve_tp2(model: str, port: int):
+    """``kiln serve --tensor-parallel-size 2`` on the CPU in its own session (stderr piped)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "serve", "--model", model, "--device", "cpu",
+                             "--dtype", "float32", "--num-kv-blocks", "64", "--tensor-parallel-size", "2",
+                             "--cpu-threads", "1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _ready_family(proc, url: str):
+    """Wait until the server is ready (failing if it exits first); return its descendant
+    processes, the engine core (rank 0) and the rank 1..N-1 workers."""
+    import time
+
+    import httpx
+    import psutil
+
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.5)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    # the workers: the engine core's spawned children (not multiprocessing's resource tracker)
+    ranks = [p for p in family if p.ppid() != proc.pid and "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 1, [p.cmdline() for p in family]
+    core = psutil.Process(ranks[0].ppid())
+    assert core.ppid() == proc.pid
+    return family, core, ranks
+
+
+def _alive(procs) -> list:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def test_killed_rank_takes_the_server_down(tiny_model):
     """``kiln serve --tensor-parallel-size 2`` with requests running: SIGKILL rank 1, the
     requests fail, ``/health`` fails, the server exits non-zero with one error line naming the
     rank (no traceback of the collective that lost its peer), and no process of it is left."""
     import os
     import signal
-    import subprocess
-    import sys
     import threading
     import time
 
     import httpx
-    import psutil
 
     port = 18000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "serve", "--model", tiny_model, "--device",
-                             "cpu", "--dtype", "float32", "--num-kv-blocks", "64", "--tensor-parallel-size", "2",
-                             "--cpu-threads", "1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _serve_tp2(tiny_model, port)
     try:
-        while True:  # until ready, or the server exits
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.5)
-        family = psutil.Process(proc.pid).children(recursive=True)
-        # rank 1: the engine core's spawned child (not multiprocessing's resource tracker)
-        ranks = [p for p in family if p.ppid() != proc.pid and "spawn_main" in " ".join(p.cmdline())]
-        assert len(ranks) == 1, [p.cmdline() for p in family]
+        family, _, ranks = _ready_family(proc, url)
         replies = []
 
         def request():
@@ -159,10 +266,46 @@ def test_killed_rank_takes_the_server_down(tiny_model):
         assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0], err
         assert "Traceback" not in err, err
         time.sleep(1)
-        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not _alive(family)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_core_leaves_no_rank(tiny_model):
+    """SIGKILL the engine core (rank 0, which cannot clean up): its worker ranks die with it,
+    the API server exits non-zero, and no process of the server is left.  The worker is
+    stopped (SIGSTOP) first, so it cannot notice the lost peer through its own collective
+    failing: only the kernel's ``PR_SET_PDEATHSIG`` SIGKILL, delivered to a stopped process
+    too, ends it."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    port = 18000 + (os.getpid() + 500) % 1000
+    family = []
+    proc = _serve_tp2(tiny_model, port)
+    try:
+        family, core, ranks = _ready_family(proc, f"http://127.0.0.1:{port}")
+        for r in ranks:
+            os.kill(r.pid, signal.SIGSTOP)
+        while any(r.status() != psutil.STATUS_STOPPED for r in ranks):
+            time.sleep(0.05)
+        os.kill(core.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(ranks), [p.cmdline() for p in _alive(ranks)]
+        assert proc.wait(30) != 0
+        time.sleep(1)
+        assert not _alive(family), [p.cmdline() for p in _alive(family)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in _alive(family):  # a failed run's leftovers
+            p.kill()
 
 
 def _quantized_engine(tmp_path, quantization: str, *extra: str) -> str:
@@ -208,6 +351,10 @@ def test_tp_quantized_engine_matches_tp1(tmp_path, quantization, extra):
         finally:
             llm.engine.runner.close()
     assert [r[0] for r in res[2]] == [r[0] for r in res[1]]
+    if quantization.startswith("int4"):  # 4 ranks: 32 of o_proj's 128 inputs each, less than a packed block
+        with pytest.raises(ValueError, match="o_proj \\(128 input features\\): each rank's 32 must be a "
+                                             "multiple of the group size 32 and of 64"):
+            LLM(engine=engine, tensor_parallel_size=4, device="cpu", dtype="float32")
     # The float32 sums run in another order at TP = 2 (half-width GEMMs, the all-reduce), which
     # now and then moves one activation across an INT8 / FP8 rounding boundary: that token's
     # log-probability moves by ~1e-2 (one prefix, 2 of 132 here); the others agree to ~1e-5.

@@ -8,4 +8,6 @@ Standard library only, so the slim operator image imports it without torch:
 - ``kiln.common.manifest``: the engine folder's ``manifest.json``: one reader and one
   verifier for ``kiln build``, ``kiln serve`` and the operator.
 - ``kiln.common.metrics``: the served metrics' names, types, help texts and buckets.
+- ``kiln.common.tensorparallel``: whether a model splits over N tensor-parallel ranks (the
+  rule of ``kiln serve`` and of the operator).
 """

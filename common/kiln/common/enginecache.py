@@ -178,13 +178,18 @@ def collect(root: str | os.PathLike, remove: Iterable[str] = (), spare: Iterable
 BUILD_REPORT_PREFIX = "kiln build: built "
 
 
-def format_build_report(engine_hash: str, num_bytes: int, accuracy: dict | None = None) -> str:
-    """The termination message of a succeeded build: the engine, its size on disk and, with
-    an accuracy gate, the measured numbers (``kiln build`` writes it; the operator keeps it in
-    the engine record)."""
+def format_build_report(engine_hash: str, num_bytes: int, accuracy: dict | None = None,
+                        shape: dict | None = None) -> str:
+    """The termination message of a succeeded build: the engine, its size on disk, with an
+    accuracy gate the measured numbers, and the sizes tensor parallelism splits
+    (``shape``: ``kiln.common.tensorparallel.ParallelShape.to_dict``) (``kiln build`` writes
+    it; the operator keeps it in the engine record and checks ``runtime.tensorParallelSize``
+    against it before the Deployment)."""
     body: dict = {"engineHash": engine_hash, "bytes": int(num_bytes)}
     if accuracy:
         body["accuracy"] = accuracy
+    if shape:
+        body["shape"] = shape
     return BUILD_REPORT_PREFIX + json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 

@@ -16,6 +16,7 @@ from decimal import Decimal
 from typing import Any, Mapping, Sequence, Union
 
 from kiln.common.enginespec import CALIBRATION_MOUNT, canonical_json, engine_dir
+from kiln.common.tensorparallel import ParallelShape
 
 from . import constants as c
 from .adapter_spec import ADAPTER_LIST_MOUNT, lora_serve_args
@@ -193,7 +194,8 @@ def engine_record(spec: Spec, hash_: str, owner: Mapping[str, Any], job: str,
     """The engine record: a ConfigMap saying that engine ``hash_`` is complete on the cache
     claim (written when its build Job succeeds).  Not owned: it lives as long as the claim's
     content.  Delete it to force a rebuild.  ``report`` is the build's own
-    (``kiln.common.enginecache.parse_build_report``): the engine's size and accuracy."""
+    (``kiln.common.enginecache.parse_build_report``): the engine's size, accuracy and the
+    sizes tensor parallelism splits (``shape``)."""
     spec = as_spec(spec)
     claim = spec.storage.claim_name
     meta = _meta(owner, record_name(claim, hash_), c.COMPONENT_RECORD, hash_, owned=False)
@@ -212,6 +214,9 @@ def _report_data(report: Mapping[str, Any] | None) -> dict[str, str]:
         out["sizeBytes"] = str(report["bytes"])
     if report and report.get("accuracy"):
         out["accuracy"] = json.dumps(report["accuracy"], sort_keys=True, separators=(",", ":"))  # floats: not canonical_json
+    shape = ParallelShape.from_dict(report.get("shape")) if report else None
+    if shape is not None:
+        out["shape"] = canonical_json(shape.to_dict())
     return out
 
 

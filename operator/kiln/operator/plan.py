@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kiln.common.progress import BuildProgress
+from kiln.common.tensorparallel import ParallelShape, tensor_parallel_problem
 
 from . import adapters as ad
 from . import builders as b
@@ -212,10 +213,13 @@ def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, 
         apply += draft.apply
     degraded = degraded or build.degraded or (draft.degraded if draft is not None else None)
     built = build.built and (draft is None or draft.built)  # the pods need both engines
+    tp_problem = _tensor_parallel_problem(spec, build.record) if built else None
+    if tp_problem is not None:  # every pod would exit at start: no rollout, the old pods keep serving
+        degraded = degraded or tp_problem
 
     dep = observed.deployment
     serving = _engine_hash_of(dep)
-    target = h if built else (serving if spec.suspend and dep is not None else None)
+    target = h if built and tp_problem is None else (serving if spec.suspend and dep is not None else None)
     lora = ad.plan_adapters(spec, owner, observed.adapter_jobs, observed.adapter_job_pods, observed.pod_adapters,
                             observed.lora_results, build.built, h, default_image)
     apply += lora.apply  # the adapter list before the Deployment: its pods mount it
@@ -265,6 +269,24 @@ def plan(spec: InferenceEngineSpec | InvalidSpec, observed: Observed, now: str, 
                 replicas=None if after is None else int(after["spec"].get("replicas") or 0),
                 requeue_after=None if degraded is not None else recheck,
                 lora_ops=lora.ops if after is not None and not spec.suspend else ())
+
+
+def _tensor_parallel_problem(spec: InferenceEngineSpec, record: Mapping[str, Any] | None) -> Problem | None:
+    """``runtime.tensorParallelSize`` against the built engine's shape (its record's
+    ``shape``, from the build's report): ``TensorParallelSizeInvalid`` when ``kiln serve``
+    would refuse it at start.  None when it fits or the record has no shape (a record written
+    before the build reported one: kiln serve checks it, exit 2)."""
+    tp = spec.runtime.tensor_parallel_size
+    if tp == 1 or record is None:
+        return None
+    try:
+        shape = ParallelShape.from_dict(json.loads((record.get("data") or {}).get("shape") or "null"))
+    except ValueError:
+        shape = None
+    problem = tensor_parallel_problem(shape, tp, "runtime.tensorParallelSize") if shape is not None else None
+    if problem is None:
+        return None
+    return Problem("TensorParallelSizeInvalid", f"engine {spec.engine_hash}: {problem}")
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:

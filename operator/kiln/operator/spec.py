@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kiln.common.enginespec import BuildSpec, EngineSpecError
+from kiln.common.tensorparallel import ParallelShape, tensor_parallel_problem
 
 from .autoscaling_spec import AUTOSCALING_MODES, AutoscalingSpec, parse_autoscaling  # noqa: F401
 from .gateway_spec import GatewaySpec, parse_gateway
@@ -293,9 +294,12 @@ def _model(raw: Mapping[str, Any]) -> ModelSpec:
         text=source_text(m))
 
 
-# (attention heads, KV heads) of the builtin models, for runtime.tensorParallelSize; other
-# sources are checked by kiln serve at start (exit 2, one line).
-BUILTIN_HEADS = {"smollm2-135m-instruct": (9, 3)}
+# The builtin models' sizes that tensor parallelism splits, checked against
+# runtime.tensorParallelSize when the spec is read (heads and MLP: an int4 engine's groups
+# are checked once it is built, as for every source, against the engine record's shape in
+# plan.py).
+BUILTIN_SHAPES = {"smollm2-135m-instruct": ParallelShape(num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                                         intermediate_size=1536)}
 
 
 def _runtime(raw: Mapping[str, Any], engine: BuildSpec, num_adapters: int = 0) -> RuntimeSpec:
@@ -319,12 +323,10 @@ def _runtime(raw: Mapping[str, Any], engine: BuildSpec, num_adapters: int = 0) -
                                       _model))
     if out.api_key is not None and any(e.name == "KILN_API_KEY" for e in out.env):
         raise EngineSpecError("runtime.env: KILN_API_KEY is set by runtime.apiKeySecretRef; set one of them")
-    heads = BUILTIN_HEADS.get(engine.source.name or "") if engine.source.kind == "builtin" else None
-    tp = out.tensor_parallel_size
-    if tp > 1 and heads is not None and (heads[0] % tp or (heads[1] % tp and tp % heads[1])):
-        raise EngineSpecError(f"runtime.tensorParallelSize {tp} does not split the model's {heads[0]} attention "
-                              f"heads and {heads[1]} KV heads (it must divide the heads, and divide the KV heads "
-                              "or be a multiple of them)")
+    shape = BUILTIN_SHAPES.get(engine.source.name or "") if engine.source.kind == "builtin" else None
+    problem = tensor_parallel_problem(shape, out.tensor_parallel_size, "runtime.tensorParallelSize") if shape else None
+    if problem:
+        raise EngineSpecError(problem)
     # kiln serve refuses to serve past an engine's build limits: every pod would crash
     for rt_field, value, build_field, limit in (
             ("maxModelLen", out.max_model_len, "maxSeqLen", engine.max_seq_len),

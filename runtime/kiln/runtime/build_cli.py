@@ -310,14 +310,23 @@ def run_build(args: argparse.Namespace) -> int:
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
-    accuracy = None
-    if gate.enabled:
-        from kiln.common.manifest import read_manifest  # noqa: PLC0415
-
-        accuracy = read_manifest(res.path).get("accuracy")  # also for an engine built before
-    _report(args, format_build_report(res.engine_hash, folder_bytes(res.path), accuracy))
+    _report(args, format_build_report(res.engine_hash, folder_bytes(res.path), *_report_parts(res.path, gate.enabled)))
     print(res.path)
     return 0
+
+
+def _report_parts(path, gated: bool) -> tuple[dict | None, dict | None]:
+    """The accuracy (with a gate; also of an engine built before) and the tensor-parallel
+    shape (``ParallelShape.to_dict``) that the build report carries, from the manifest."""
+    from kiln.common.manifest import read_manifest  # noqa: PLC0415
+    from kiln.common.tensorparallel import ParallelShape  # noqa: PLC0415
+
+    manifest = read_manifest(path)
+    try:
+        shape = ParallelShape.from_manifest(manifest).to_dict()
+    except ValueError:  # a config without the sizes: the operator leaves the check to kiln serve
+        shape = None
+    return (manifest.get("accuracy") if gated else None), shape
 
 
 def _report(args: argparse.Namespace, text: str) -> None:

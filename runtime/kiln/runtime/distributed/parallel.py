@@ -57,22 +57,19 @@ class TPContext:
         return self.size > 1
 
 
-def check_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """Raises ValueError unless ``tp_size`` divides the attention heads and either divides the
-    KV heads or is a multiple of them (each KV head then replicated on ``tp/kv`` ranks)."""
-    if tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size}")
-    if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
-        raise ValueError(f"tensor parallel size {tp_size} does not split the model's {num_heads} attention heads "
-                         f"and {num_kv_heads} KV heads (it must divide the heads, and divide the KV heads or be a "
-                         f"multiple of them)")
-
-
-def check_devices(device: torch.device, tp_size: int) -> None:
-    """Raises ValueError when CUDA has fewer visible devices than ranks."""
-    if device.type == "cuda" and torch.cuda.device_count() < tp_size:
-        raise ValueError(f"tensor parallel size {tp_size} needs {tp_size} GPUs, but {torch.cuda.device_count()} "
-                         f"are visible (CUDA_VISIBLE_DEVICES / nvidia.com/gpu)")
+def check_devices(device: str | torch.device, tp_size: int) -> None:
+    """Raises ValueError when the ranks run on CUDA (``cuda``, or ``auto`` where CUDA is
+    available) and fewer GPUs are visible than ranks (none at all included)."""
+    if str(device) == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        kind = torch.device(device).type
+    if kind != "cuda":
+        return
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} needs {tp_size} GPUs, but {visible} "
+                         f"{'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES / nvidia.com/gpu)")
 
 
 def free_port() -> int:

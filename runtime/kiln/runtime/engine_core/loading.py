@@ -75,7 +75,7 @@ def load_model(args: EngineArgs, tp=None) -> LoadedModel:
     length, an explicit ``max_model_len`` is refused with the numbers, and the default is
     capped to what the pool holds (logged).
 
-    With ``args.tensor_parallel_size > 1`` rank 0 (``tp`` None) checks the heads, starts the
+    With ``args.tensor_parallel_size > 1`` rank 0 (``tp`` None) checks the sizes, starts the
     worker ranks (``distributed.parallel.start_workers``), and every rank loads its shard.
 
     Raises:
@@ -152,18 +152,31 @@ def load_model(args: EngineArgs, tp=None) -> LoadedModel:
 
 
 def _start_tensor_parallel(args: EngineArgs):
-    """Check that the model splits over the ranks (before any weight is read), then start the
-    workers.  Raises ValueError for heads the size does not split or too few GPUs."""
+    """Check that the model splits over the ranks (before any weight is read: the rule the
+    operator checks too, ``kiln.common.tensorparallel``), then start the workers.  Raises
+    ValueError for too few GPUs, or a size the model's heads, MLP or int4 groups do not split."""
+    from kiln.common.tensorparallel import ParallelShape, check_tensor_parallel  # noqa: PLC0415
+
     from ..distributed import parallel  # noqa: PLC0415
     from ..model_runner import resolve_device  # noqa: PLC0415
 
+    parallel.check_devices(args.device, args.tensor_parallel_size)
     if args.engine:
         from ..engine_folder import open_engine  # noqa: PLC0415
 
-        cfg = open_engine(args.engine, verify=False).model_config
+        shape = ParallelShape.from_manifest(open_engine(args.engine, verify=False).manifest)
     else:
-        cfg = loader.load_model_config(loader.materialize_gguf(loader.resolve_source(args.model)))
-    parallel.check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, args.tensor_parallel_size)
+        src = loader.materialize_gguf(loader.resolve_source(args.model))
+        cfg = loader.load_model_config(src)
+        cq = loader.checkpoint_quantization(src) if args.load_format != "dummy" else None
+        group = cq.group_size if cq is not None and cq.method == "int4" else None
+        if group == 0:
+            raise ValueError(f"{src.ref}: a per-channel int4 checkpoint (one group per row) is served at "
+                             f"tensor-parallel size 1 only, not {args.tensor_parallel_size}: quantize it with a "
+                             f"group size")
+        shape = ParallelShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                              group)
+    check_tensor_parallel(shape, args.tensor_parallel_size)
     return parallel.start_workers(args, resolve_device(args.device), load_model)
 
 

@@ -264,9 +264,11 @@ def _hf_parts(name: str) -> list[str]:
 
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cq: CheckpointQuant) -> QuantSettings:
     """Load a pre-quantized checkpoint's tensors into a freshly built Kiln model (float
-    parameters, tensor-parallel size 1): every decoder linear gets its serving method's
+    parameters, any tensor-parallel size): every decoder linear gets its serving method's
     buffers (``registry.convert_for_runtime``), filled from the checkpoint's tensors
-    unpacked, fused and (int4) repacked; the other weights load through ``load_weights``.
+    unpacked, fused and (int4) repacked at their full size, then cut to this rank's slice as
+    an engine's are (``distributed.shard.shard_tensor``); the other weights load through
+    ``load_weights``.
 
     Args:
         model: a ``LlamaForCausalLM`` as built (float weights, any device).
@@ -277,17 +279,25 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     Raises:
         CheckpointFormatError: a missing, extra or misshapen tensor (names it), a group size
             that does not divide a layer, a decoder linear stored unquantized.
+        ValueError: a per-channel int4 checkpoint at tensor-parallel size > 1 (its one group
+            per row has another width on the row-parallel ranks).
     """
+    from ..distributed.shard import shard_tensor  # noqa: PLC0415
     from .registry import convert_for_runtime  # noqa: PLC0415  (the registry imports every method)
 
     linears = dict(model_linears(model))
-    if any(m.tp_size != 1 for m in linears.values()):
-        raise CheckpointFormatError("pre-quantized checkpoints load at tensor-parallel size 1 only")
-    shapes = {name: tuple(m.weight.shape) for name, m in linears.items()}  # [N, K], before the float weights go
+    tp = max(m.tp_size for m in linears.values())
+    if tp > 1 and cq.method == "int4" and not cq.group_size:
+        raise ValueError(f"a per-channel int4 {cq.describe()} checkpoint (one group per row) is served at "
+                         f"tensor-parallel size 1 only, not {tp}: quantize it with a group size")
+    shapes = {name: tuple(m.weight.shape) for name, m in linears.items()}  # this rank's [N, K], before the float weights go
     cfg = model.config
     rows = {"q_proj": cfg.num_attention_heads * cfg.head_dim, "k_proj": cfg.num_key_value_heads * cfg.head_dim,
             "v_proj": cfg.num_key_value_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size,
             "up_proj": cfg.intermediate_size}
+    # the checkpoint's (unsharded) [N, K] of each Kiln linear
+    full = {name: (sum(rows.get(p.rsplit(".", 1)[-1], m.out_features) for p in _hf_parts(name)), m.in_features)
+            for name, m in linears.items()}
     if cq.method == "int4" and cq.group_size:
         for name, (n, k) in shapes.items():
             if k % cq.group_size:
@@ -322,7 +332,7 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     if missing:
         raise CheckpointFormatError(f"checkpoint lacks {len(missing)} float tensors, e.g. {missing[:3]}")
     with torch.no_grad():
-        for name, (n, k) in shapes.items():
+        for name, (n, k) in full.items():
             hf = _hf_parts(name)
             for p in hf:
                 if p not in quant:
@@ -332,7 +342,10 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             if sum(ns) != n:  # pragma: no cover - the model's own shapes disagree with its config
                 raise CheckpointFormatError(f"{name}: parts {ns} do not add up to {n} rows")
             unpacked = [cq.unpack(quant.pop(p), p, pn, k, cq.group_size) for p, pn in zip(hf, ns)]
-            _copy_into(linears[name], _fuse(cq, unpacked, k), name)
+            fused = _fuse(cq, unpacked, k)
+            if tp > 1:
+                fused = {key: shard_tensor(model, f"{name}.{key}", t) for key, t in fused.items()}
+            _copy_into(linears[name], fused, name)
     if quant:
         extra = sorted(quant)[0]
         raise CheckpointFormatError(f"checkpoint tensor {extra}.{sorted(quant[extra])[0]} has no place in the model")
