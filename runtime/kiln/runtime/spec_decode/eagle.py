@@ -64,7 +64,8 @@ class EagleProposer(DraftModelProposer):
 
         Raises:
             ValueError: not a folder with a config and weights; a head whose hidden size
-                differs from the target's; a tensor the layout does not have.
+                differs from the target's; a tensor the layout does not have; an EAGLE-3 head
+                on a target of fewer than 7 layers (no three distinct layers to fuse).
         """
         folder = Path(config.model)
         if not (folder / "config.json").is_file():
@@ -77,6 +78,12 @@ class EagleProposer(DraftModelProposer):
         if cfg.hidden_size != tcfg.hidden_size:
             raise ValueError(f"speculative model {config.model}: hidden size {cfg.hidden_size}, the target's "
                              f"{tcfg.hidden_size}; the head was trained for another model")
+        if kind == "eagle3":
+            layers = aux_layers(tcfg.num_hidden_layers)
+            if len(set(layers)) != len(layers) or not all(0 <= i < tcfg.num_hidden_layers for i in layers):
+                raise ValueError(f"speculative model {config.model}: an EAGLE-3 head fuses the residual streams of "
+                                 f"three distinct target layers {layers}; the target has only "
+                                 f"{tcfg.num_hidden_layers} layers (at least 7 needed)")
         runner = target.runner
         head = EagleHead(cfg, kind, int(raw.get("draft_vocab_size") or tcfg.vocab_size), tcfg.vocab_size,
                          fc_bias="fc.bias" in weights, own_embedding="embed_tokens.weight" in weights
