@@ -5,8 +5,8 @@ quantized ``kiln build`` engine of the target as the draft model, and ``kiln ben
 --dataset copy``'s speculative summary.
 
 Except for the fp8 engine, the draft model is the target itself (the same folder, loaded
-twice): a greedy draft is then the target's own next token, so every draft must be accepted and the draft's KV cache
-must hold the target's K/V wherever it has caught up."""
+twice): a greedy draft is then the target's own next token, so every draft must be accepted
+and the draft's KV cache must hold the target's K/V wherever it has caught up."""
 
 from __future__ import annotations
 
