@@ -39,16 +39,19 @@ def _config(folder) -> str:
 def lora_setup(tmp_path_factory):
     """An LLM with LoRA on (3 slots), its transformers peer, and three peft adapters saved
     as PEFT folders: ``(llm, hf, {name: (folder, PeftModel)})``."""
+    return _lora_setup(tmp_path_factory.mktemp("lora"))
+
+
+def _lora_setup(root, **llm_kw):
     from peft import LoraConfig, get_peft_model
 
     from kiln.runtime import LLM
     from kiln.runtime.bench import build_hf_peer
 
-    root = tmp_path_factory.mktemp("lora")
     model_dir = root / "base"
     model_dir.mkdir()
     llm = LLM(model=_config(model_dir), load_format="dummy", num_kv_blocks=128, max_num_batched_tokens=64,
-              enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=4)
+              enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=4, **llm_kw)
     g = torch.Generator().manual_seed(0)
     for name, p in llm.engine.runner.model.named_parameters():
         if "norm" not in name:
@@ -72,16 +75,30 @@ def lora_setup(tmp_path_factory):
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        inp = torch.tensor([prompt])
+        inp = torch.tensor([prompt], device=model.device)
         out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 
 def test_mixed_batch_equals_peft(lora_setup):
+    _check_mixed_batch(*lora_setup)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton LoRA kernels in CUDA graphs need a GPU")
+def test_mixed_batch_equals_peft_on_the_gpu_in_cuda_graphs(tmp_path):
+    """On a GPU in float32: the batched Triton shrink/expand kernels, replayed inside the decode
+    CUDA graphs, give peft's greedy tokens for a batch mixing adapters and base requests."""
+    llm, hf, adapters = _lora_setup(tmp_path, dtype="float32")
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.graphs, "no decode graphs captured"
+    _check_mixed_batch(llm, hf, adapters)
+
+
+def _check_mixed_batch(llm, hf, adapters):
     from kiln.runtime import SamplingParams
 
-    llm, hf, adapters = lora_setup
     for name, (folder, _) in adapters.items():
         if name not in {a.name for a in llm.list_loras()}:
             llm.add_lora(name, folder)

@@ -1,8 +1,7 @@
 """CUDA graphs of the speculative verify step (``decode_graphs.DecodeGraphs.run_verify``): on
 a GPU, greedy outputs with the verify step replayed as a graph equal decoding without
-speculation, for n-gram drafts (sequences verifying different numbers of drafts in one
-step, most of them rejected) and for a draft model that is the target itself (every draft
-accepted: several tokens per step).  Skipped without CUDA; CI runs the CPU test of what the
+speculation, with a draft model that is the target itself (every draft accepted: several
+tokens per step), all sequences verifying five rows or a mix of 1..5 rows in one step.  Skipped without CUDA; CI runs the CPU test of what the
 graphs read instead (the staging, with the captured call made eagerly).  On the device:
 
     python3 -m pytest -q tests/runtime/test_verify_graphs.py
@@ -45,28 +44,47 @@ def baseline():
     return prompts, want
 
 
+def _mixed_params():
+    """Per prompt: other max_tokens (sequences near their end verify fewer drafts) and, for
+    one, a presence penalty (it never drafts: one row per step beside the others' five)."""
+    from kiln.runtime import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False,
+                           presence_penalty=0.5 if i == 2 else 0.0)
+            for i, m in enumerate((24, 7, 13, 5, 18, 9))]
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_verify_graph_outputs_equal_plain_decoding(baseline, method):
+@pytest.mark.parametrize("case", ["draft", "draft-mixed"])
+def test_verify_graph_outputs_equal_plain_decoding(baseline, case):
+    """The target itself as its draft model (the same seeded random weights): every greedy
+    draft is accepted, so verify steps carry five rows per sequence; ``draft-mixed`` mixes
+    sequences verifying 1..5 rows in one step.  (n-gram drafts need a model that repeats its
+    prompt; a random model's next token never continues a match, so n-gram would verify
+    nothing here: the CPU test below covers it on the embedded default.)"""
     from kiln.runtime import LLM, SamplingParams
 
     prompts, want = baseline
-    kw = dict(speculative_method=method, num_speculative_tokens=4)
-    if method == "draft":  # the same random weights (seeded dummy init): every draft is accepted
-        kw["speculative_model"] = "builtin:llama-3.2-1b"
-    llm = LLM(**MODEL, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    if case == "draft-mixed":
+        sp = _mixed_params()
+        plain = LLM(**MODEL)
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+        del plain
+        torch.cuda.empty_cache()
+    llm = LLM(**MODEL, speculative_method="draft", num_speculative_tokens=4, speculative_model="builtin:llama-3.2-1b")
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.verify_graphs, "no verify graphs captured"
     assert graphs.verify_len == 5
-    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]  # batched
-    got1 = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts[:2]]  # one by one
+    sp1 = sp[:2] if isinstance(sp, list) else sp
+    got1 = [o.outputs[0].token_ids for o in (llm.generate([p], s)[0] for p, s in
+                                             zip(prompts[:2], sp1 if isinstance(sp1, list) else [sp1] * 2))]
     stats = llm.engine.core.spec.stats
     assert graphs.num_verify_replays > 0
     assert stats.num_draft_tokens > 0
-    if method == "draft":
-        assert stats.acceptance_rate > 0.9, stats.acceptance_rate
+    assert stats.acceptance_rate > 0.9, stats.acceptance_rate
     assert got == want
     assert got1 == want[:2]
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
