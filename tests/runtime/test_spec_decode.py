@@ -40,6 +40,28 @@ def test_ngram_proposes_continuation_of_most_recent_longest_match():
     assert p.propose([8, 1, 2, 3, 8, 1], k=2) == [2, 3]
 
 
+def _ngram_by_definition(toks: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup spelled out: for n from n_max down to n_min, the latest earlier start i
+    with toks[i:i+n] equal to the last n tokens; what followed it."""
+    L = len(toks)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        for i in range(L - n - 1, -1, -1):
+            if toks[i:i + n] == toks[L - n:]:
+                return toks[i + n:i + n + k]
+    return []
+
+
+def test_ngram_search_equals_its_definition_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        L, vocab = int(rng.integers(1, 50)), int(rng.integers(2, 6))  # small vocabularies: many matches
+        toks = rng.integers(0, vocab, L).astype(np.int64)
+        n_min = int(rng.integers(1, 4))
+        n_max, k = int(rng.integers(n_min, 7)), int(rng.integers(1, 6))
+        assert ngram_propose(toks, k, n_min, n_max) == _ngram_by_definition(toks.tolist(), k, n_min, n_max), \
+            (toks.tolist(), k, n_min, n_max)
+
+
 def test_speculative_config_refuses_bad_settings():
     for kw in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},
                {"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3},

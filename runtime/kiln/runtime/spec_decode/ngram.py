@@ -15,24 +15,40 @@ import numpy as np
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """The drafts for a sequence.
 
+    Every earlier position holding the sequence's last token is a candidate end of a match;
+    the candidates' match lengths grow backwards one token at a time (at most ``n_max``
+    comparisons over the candidates, instead of one pass over the whole sequence per suffix
+    length).
+
     Args:
         tokens: int64 [L], the sequence's known tokens (prompt + output).
         k: most drafts to return (tokens).
-        n_min, n_max: the suffix lengths tried, longest first (tokens).
+        n_min, n_max: the suffix lengths tried, longest first (tokens; ``n_min >= 1``).
     Returns:
         Up to ``k`` token ids that followed the most recent earlier occurrence of the longest
         matching suffix (fewer when that occurrence is near the end); ``[]`` without a match.
     """
     L = int(tokens.shape[0])
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = tokens[L - n:]
-        # windows starting at 0 .. L-n-1: every occurrence that ends before the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: L - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    n_top = min(n_max, L - 1)
+    if n_top < n_min or L < 2:
+        return []
+    ends = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])  # earlier occurrences of the last token
+    if not ends.size:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)  # matched suffix length ending at each candidate
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, n_top):
+        idx = ends - j
+        alive &= idx >= 0
+        alive[alive] = tokens[idx[alive]] == tokens[L - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    best = min(int(length.max()), n_top)
+    if best < n_min:
+        return []
+    end = int(ends[np.flatnonzero(length >= best)[-1]])
+    return tokens[end + 1: end + 1 + k].tolist()
 
 
 class NgramProposer:
