@@ -1,8 +1,8 @@
 """Fixtures of the end-to-end tests: the whole stack (kiln.devcluster.stack) on a private
 plane with one process-backed node and the chart installed; the chart's operator pod runs on
 that node (in-cluster, with its ServiceAccount's projected token).  The install sets only the
-operator's intervals (resync 10 s, autoscaler scrape 3 s, engine cache cleanup step 2 s; the
-defaults are 60 s, 15 s and 300 s) and the engine cache retention (15 s instead of 7 days: an
+operator's intervals (resync 10 s, autoscaler scrape 3 s, build progress read 2 s, engine
+cache cleanup step 2 s; the defaults are 60 s, 15 s, 10 s and 300 s) and the engine cache retention (15 s instead of 7 days: an
 engine no resource of a test uses leaves its claim 15 s later; one whose resources are all
 deleted stays, as the claims of namespaces without resources are not looked at) so the tests
 take less time.  Pods really run `kiln build` and `kiln serve`.
@@ -31,6 +31,7 @@ from kiln.devcluster.wait import wait_for
 
 MEASUREMENTS: list[dict] = []
 E2E_HELM_VALUES = {"operator.resyncSeconds": "10", "operator.autoscaleSeconds": "3",
+                   "operator.buildProgressSeconds": "2",
                    "engineCache.gcSeconds": "2", "engineCache.retentionSeconds": "15"}
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from kiln.devcluster.fixtures import skip_or_fail_in_ci
 from kiln.devcluster.load import ClientLoop, Load, chat
 
 # The timeout is a hang guard only (the waits fail on a stall): sized for a loaded machine.
@@ -66,15 +68,70 @@ def operator_in_cluster(stack) -> dict:
 
 # --- (a) + (c): apply -> Ready -> answer; delete -> children gone, engine cached; re-apply ----
 
+class BuildWatch:
+    """While a build runs: what ``kubectl get inferenceengine`` shows (the JSON's
+    ``status.build`` and the default table's Build printer column) every ``period`` seconds,
+    and the lines the stack logs meanwhile (``Stack.wait_ready``'s, which ``make demo`` prints)."""
+
+    def __init__(self, stack, ns: str, name: str, period: float = 1.0):
+        self.stack, self.ns, self.name, self.period = stack, ns, name, period
+        self.builds: list[dict] = []  # status.build of each look while its state was Running
+        self.columns: list[str] = []  # the Build column of each look (table), non-empty ones
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._log = stack.log
+
+    def __enter__(self):
+        self.stack.log = lambda m: (self.lines.append(m), self._log(m))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+        self.stack.log = self._log
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            ie = self.stack.engine(self.name, self.ns) or {}
+            build = (ie.get("status") or {}).get("build") or {}
+            if build.get("state") == "Running":
+                self.builds.append(build)
+            table = self.stack.kubectl("get", "inferenceengine", self.name, "-n", self.ns, check=False)
+            rows = [line.split("  ") for line in table.splitlines()]
+            if len(rows) == 2:  # header and the engine's row: columns are separated by 2+ spaces
+                header = [h.strip() for h in rows[0] if h.strip()]
+                row = [v.strip() for v in rows[1] if v.strip()]
+                if "BUILD" in header and len(row) == len(header):
+                    self.columns.append(row[header.index("BUILD")])
+
+
 def test_apply_ready_answer_delete_reapply(stack, ns, measure):
-    """examples/smollm2.yaml through the operator that a default `helm install` runs in the cluster."""
+    """examples/smollm2.yaml through the operator that a default `helm install` runs in the cluster.
+    While its build runs, status.build shows the build's progress (read from the build pod's log
+    every 2 s: operator.buildProgressSeconds of the e2e install), `kubectl get inferenceengine`
+    shows it in the Build column, and Stack.wait_ready (what `make demo` prints while it waits)
+    prints it."""
+    from kiln.common.progress import STAGES
     ie = example()
     name = ie["metadata"]["name"]
     pod = operator_in_cluster(stack)
     t0 = time.monotonic()
     stack.apply_file(EXAMPLE, ns)
-    uncached = stack.wait_ready(name, ns)
+    with BuildWatch(stack, ns, name) as watch:
+        uncached = stack.wait_ready(name, ns)
     measure("apply -> Ready, engine uncached", uncached, quantization=ie["spec"]["build"]["quantization"])
+    progress = [b["progress"] for b in watch.builds if b.get("progress")]
+    seen = list(dict.fromkeys(progress))  # distinct, in order
+    measure("build progress values seen while the build ran", len(seen), unit="values", values=seen)
+    assert len(seen) >= 2, f"status.build.progress did not change while the build ran: {watch.builds}"
+    last = next(b for b in reversed(watch.builds) if b.get("progress"))
+    assert last["stage"] in STAGES and last["elapsedSeconds"] >= 0 and last["progress"].startswith(last["stage"])
+    assert all(0 < b["layer"] <= b["numLayers"] == 30 for b in watch.builds if "layer" in b), watch.builds
+    assert set(watch.columns) & set(seen), (watch.columns, seen)  # the printer column shows the same text
+    printed = [line for line in watch.lines if "build=Running (" in line]
+    assert any(f"({p})" in line for p in seen for line in printed), printed  # what the demo prints
     assert f"{ns}/{name}" in stack.operator_log().read_text()  # the in-cluster operator did it
     assert operator_in_cluster(stack)["metadata"]["uid"] == pod["metadata"]["uid"]  # the same pod throughout
     st = stack.engine(name, ns)["status"]
@@ -207,9 +264,9 @@ def test_hpa_scales_through_real_prometheus_and_prometheus_adapter(stack, ns, me
                                             prometheus_bin)
     prom_bin, ad_bin = prometheus_bin(), adapter_bin()
     if prom_bin is None:
-        pytest.skip("no prometheus binary: apt-get install prometheus (.ci/run installs it)")
+        skip_or_fail_in_ci("no prometheus binary: apt-get install prometheus (.ci/run installs it)")
     if ad_bin is None:
-        pytest.skip("no prometheus-adapter: bash devcluster/build.sh prometheus-adapter")
+        skip_or_fail_in_ci("no prometheus-adapter: bash devcluster/build.sh prometheus-adapter (make metrics-build)")
     plane = stack.plane
     # a window of several scheduling events: on a loaded 2-core machine a request of this test takes
     # tens of seconds, and a window with none reads 0 (the HPA then scales down a pod still loading)

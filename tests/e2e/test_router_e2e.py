@@ -1,7 +1,9 @@
 """Scale to zero through the chart's router, end to end: an InferenceEngine with
 ``autoscaling.minReplicas: 0`` serves a request through the router (`kiln router`, the chart's
 router pod on the process node), goes to 0 replicas when idle; a request sent then is held by
-the router, the engine scales 0 -> 1, and the request is answered. Nothing fails.
+the router, the engine scales 0 -> 1, and the request is answered. Nothing fails.  Before that,
+a second InferenceEngine behind the same router: `/v1/models` lists both, each request reaches
+its own engine's pod.
 
     .venv/bin/python -m pytest -m e2e tests/e2e/test_router_e2e.py -s   # ~3 min on 2 cores
 
@@ -12,6 +14,7 @@ through the router.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -60,17 +63,56 @@ def stream_chat(url: str, model: str) -> tuple[float, str, int]:
     return first or 0.0, "".join(text), r.status_code
 
 
+def finished(pod: dict) -> dict[str, float]:
+    """``kiln_request_success_total`` of a serving pod's own ``/metrics``, by ``model_name``."""
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'kiln_request_success_total\{[^}]*model_name="([^"]+)"[^}]*\} (\S+)', line)
+        if m:
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
+
+
 def test_idle_engine_scales_to_zero_and_a_held_request_wakes_it(stack, ns, measure):
-    name = "zero"
+    """Also two engines behind the one router: "zero" and "steady" (another InferenceEngine,
+    served under its own model name; the same build spec, so one build Job) are both listed by
+    `/v1/models`, and each request reaches only its own engine's pod (the pods' own counters)."""
+    from openai import OpenAI
+    name, other = "zero", "steady"
     ie = engine(name)
+    steady = engine(other)
+    steady["spec"].pop("autoscaling")
+    steady["spec"]["replicas"] = 1
     stack.apply_obj(ie, ns)
+    stack.apply_obj(steady, ns)
     stack.wait_ready(name, ns)
+    stack.wait_ready(other, ns)
     router = stack.proxy("kiln-router", "kiln-system")
     router.wait_endpoints(1)
-    stack.wait_for("the router sees a ready replica",
-                   lambda: (listed(router.url, name) or {}).get("ready_replicas") == 1, stall=60)
+    for model in (name, other):
+        stack.wait_for(f"the router sees a ready replica of {model}",
+                       lambda: (listed(router.url, model) or {}).get("ready_replicas") == 1, stall=60)
     _, text, status = stream_chat(router.url, name)
     assert status == 200 and "paris" in text.lower(), text
+
+    # --- many models behind one address: /v1/models lists both; each request goes to its engine's pod
+    client = OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    assert {name, other} <= {m.id for m in client.models.list().data}
+    pods = {model: next(p for p in stack.pods(ns, f"kiln.dev/engine={model},app.kubernetes.io/component=server")
+                        if p["status"].get("podIP")) for model in (name, other)}
+    before = {model: finished(pod) for model, pod in pods.items()}
+    sent = {name: 2, other: 1}
+    for model, n in sent.items():
+        for _ in range(n):
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=4, temperature=0)
+            assert r.model == model, r
+    for model, pod in pods.items():
+        after = finished(pod)
+        assert set(after) == {model}, after  # the pod serves only its own model name
+        assert after[model] - before[model].get(model, 0.0) == sent[model], (model, before[model], after)
+    stack.kubectl("delete", "inferenceengine", other, "-n", ns, "--wait=false")  # the CPU back for the rest
 
     def replicas() -> tuple[int, int]:
         d = json.loads(stack.kubectl("get", "deployment", name, "-n", ns, "-o", "json"))

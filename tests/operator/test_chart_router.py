@@ -80,3 +80,32 @@ def test_router_namespace_scope_and_off_switch():
     assert parse_args(dep["spec"]["template"]["spec"]["containers"][0]["args"]).namespaces == ("team-a", "team-b")
     off = render("router.enabled=false")
     assert not [d for d in off if "router" in d["metadata"]["name"]]
+
+
+@needs_helm
+def test_operator_finds_the_router_pods_for_the_router_queue_signal():
+    """autoscaling.metric routerQueue: the operator's rendered --router-selector (its real parser)
+    selects exactly the router's pods, it may list them in each scope, and the chart's monitors
+    scrape the router keeping its own namespace label (honorLabels)."""
+    from kiln.operator.main import parse_args as operator_args
+    for scope in ((), ("watchNamespaces={team-a}",)):
+        docs = render(*scope, "metrics.podMonitor.enabled=true", "metrics.serviceMonitor.enabled=true")
+        op = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kiln")
+        opts = operator_args(op["spec"]["template"]["spec"]["containers"][0]["args"])
+        labels = router_docs(docs)["Deployment"]["spec"]["template"]["metadata"]["labels"]
+        wanted = dict(kv.split("=", 1) for kv in opts.router_selector.split(","))
+        assert wanted and wanted.items() <= labels.items() and wanted["app.kubernetes.io/component"] == "router"
+        assert opts.build_progress_seconds == 10
+        monitors = [d for d in docs if d["kind"] in ("PodMonitor", "ServiceMonitor") and d["metadata"]["name"] == "kiln-router"]
+        assert len(monitors) == 2
+        for m in monitors:
+            assert m["spec"]["selector"]["matchLabels"] == wanted
+            ends = m["spec"].get("podMetricsEndpoints") or m["spec"]["endpoints"]
+            assert ends[0]["honorLabels"] is True and ends[0]["path"] == "/metrics"
+        if scope:  # namespaced: a Role in the release namespace lets the operator list the router's pods
+            role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kiln-router-pods")
+            assert role["metadata"]["namespace"] == "kiln-system"
+            assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+    off = render("router.enabled=false")
+    op = next(d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "kiln")
+    assert operator_args(op["spec"]["template"]["spec"]["containers"][0]["args"]).router_selector == ""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln.common.enginespec import EngineSpecError
+from kiln.devcluster.fixtures import skip_or_fail_in_ci
 from kiln.operator import builders as b
 from kiln.operator import builders_autoscaling as ba
 from kiln.operator import builders_gateway as bg
@@ -133,13 +134,42 @@ def test_endpoint_picker_reads_kiln_metrics_with_the_chart_role():
     assert svc["spec"]["ports"][0]["port"] == 9002
 
 
-@pytest.mark.parametrize("metric", [m.name for m in SCALING_METRICS])
+@pytest.mark.parametrize("metric", [m.name for m in SCALING_METRICS if not m.per_engine])
 def test_hpa_scales_on_the_selected_signal(metric):
     m = next(x for x in SCALING_METRICS if x.name == metric)
     h = ba.hpa(spec(autoscaling={"mode": "hpa", "metric": metric, "minReplicas": 1, "maxReplicas": 5}), OWNER)
     pods = h["spec"]["metrics"][0]["pods"]
     assert pods["metric"]["name"] == m.series
     assert pods["target"] == {"type": "AverageValue", "averageValue": b.to_quantity(m.default_target)}
+
+
+def test_hpa_scales_on_the_routers_queue_as_an_external_metric():
+    """routerQueue is the engine's total in the router: an External metric selected by the
+    engine's name, averaged over the replicas by the HPA (ceil(total / target))."""
+    h = ba.hpa(spec(autoscaling={"mode": "hpa", "metric": "routerQueue", "target": 6, "maxReplicas": 5}), OWNER)
+    assert h["spec"]["metrics"] == [{"type": "External", "external": {
+        "metric": {"name": "kiln_router_queue_requests", "selector": {"matchLabels": {"engine": "smollm2"}}},
+        "target": {"type": "AverageValue", "averageValue": "6"}}}]
+    assert spec(autoscaling={"mode": "hpa", "metric": "routerQueue"}).autoscaling.target_value == 4
+
+
+def test_scaled_object_on_the_routers_queue_sums_the_engines_series():
+    s = spec(autoscaling={"mode": "keda", "metric": "routerQueue", "target": 3, "keda": {"serverAddress": "http://prom:9090"}},
+             model={"builtin": "smollm2-135m-instruct", "servedModelName": "chat"})
+    t = ba.scaled_object(s, OWNER)["spec"]["triggers"][0]
+    assert t["name"] == "routerqueue" and t["metricType"] == "AverageValue" and t["metadata"]["threshold"] == "3"
+    assert t["metadata"]["query"] == 'sum(kiln_router_queue_requests{namespace="team-a",engine="smollm2"})'
+
+
+def test_the_router_serves_the_series_of_its_scaling_signal():
+    from prometheus_client import generate_latest
+
+    from kiln.operator.router.metrics import RouterMetrics
+    from kiln.operator.scaling_metrics import scaling_metric
+    m = RouterMetrics()
+    m.queue.labels("team-a", "smollm2", "chat").set(2)
+    text = generate_latest(m.registry).decode()
+    assert f'{scaling_metric("routerQueue").series}{{engine="smollm2",model="chat",namespace="team-a"}} 2.0' in text
 
 
 def test_scaled_object_queries_prometheus_for_the_engine_pods():
@@ -222,6 +252,43 @@ def test_builtin_autoscaler_scales_on_a_gauge_signal():
     assert want == 4 and st["metric"] == "kvCacheUsage" and st["observedValue"] == 0.8  # ceil(2 * 0.8 / 0.5)
 
 
+def test_builtin_autoscaler_scales_on_the_routers_queue():
+    """The router pods' real exposition (RouterMetrics): the engine's series summed over router
+    pods and models, other engines and namespaces ignored, divided by the current replicas."""
+    from prometheus_client import generate_latest
+
+    from kiln.operator.router.metrics import RouterMetrics
+    routers = {n: RouterMetrics() for n in ("router-a", "router-b")}
+    routers["router-a"].queue.labels("team-a", "smollm2", "smollm2").set(7)
+    routers["router-a"].queue.labels("team-a", "smollm2", "tuned").set(2)  # an adapter of the engine
+    routers["router-b"].queue.labels("team-a", "smollm2", "smollm2").set(3)
+    routers["router-b"].queue.labels("team-b", "smollm2", "smollm2").set(50)  # another namespace's engine
+    routers["router-b"].queue.labels("team-a", "other", "other").set(40)
+    now = [100.0]
+    scaler = BuiltinAutoscaler(fetcher=lambda pod: generate_latest(routers[pod["metadata"]["name"]].registry).decode(),
+                               clock=lambda: now[0])
+    s = spec(autoscaling={"mode": "builtin", "metric": "routerQueue", "maxReplicas": 8})
+    pods = [{"metadata": {"name": n}} for n in routers]
+    assert scaler.observe("team-a/smollm2", pods, 1, s.autoscaling, NOW)
+    want, st, active = scaler.wish("team-a/smollm2")
+    assert want == 3 and st["metric"] == "routerQueue" and st["observedValue"] == 12  # ceil(12 / 4)
+    assert active == NOW  # a queue is activity (the scale-to-zero idle window)
+    for r in routers.values():
+        for lab in (("team-a", "smollm2", "smollm2"), ("team-a", "smollm2", "tuned")):
+            r.queue.labels(*lab).set(0)
+    s2 = spec(autoscaling={"mode": "builtin", "metric": "routerQueue", "maxReplicas": 8,
+                           "scaleDownStabilizationSeconds": 0})
+    now[0] += 10
+    assert scaler.observe("team-a/smollm2", pods, 3, s2.autoscaling, NOW)
+    assert scaler.wish("team-a/smollm2")[0] == 1
+
+
+def test_the_http_fetcher_reads_the_pods_http_port():
+    from kiln.operator.autoscaler import _http_port
+    router_pod = {"spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8080}]}]}}
+    assert _http_port(router_pod) == 8080 and _http_port({"spec": {"containers": [{}]}}) == c.HTTP_PORT
+
+
 # --- the pieces outside Kiln: the EPP's real flags, the chart's adapter rules -----------------------
 
 def test_endpoint_picker_flags_exist_in_the_epp_it_runs():
@@ -235,7 +302,7 @@ def test_endpoint_picker_flags_exist_in_the_epp_it_runs():
     try:
         src = (module_dir(crd_set.module, version) / "cmd/epp/runner/runner.go").read_text()
     except FileNotFoundError as e:
-        pytest.skip(f"the EPP's module could not be fetched: {e}")
+        skip_or_fail_in_ci(f"the EPP's module could not be fetched: {e}")
     defined = set(re.findall(r'flag\.(?:String|Int|Bool|Duration|Float64)\("([a-z0-9-]+)"', src))
     bools = set(re.findall(r'flag\.Bool\("([a-z0-9-]+)"', src))
     args = bg.epp_args(spec(gateway=GW), OWNER)
@@ -246,14 +313,27 @@ def test_endpoint_picker_flags_exist_in_the_epp_it_runs():
             assert "=" in a, a
 
 
+def test_a_missing_outside_piece_skips_here_and_fails_in_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        skip_or_fail_in_ci("no network")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="no network"):
+        skip_or_fail_in_ci("no network")
+
+
 def test_chart_adapter_rules_serve_every_hpa_signal():
     """Each signal's series is served by a rule of the chart's prometheus-adapter ConfigMap, under
     the name the HPA asks for (histograms renamed from their _sum series)."""
     text = (ROOT / "helm/kiln/templates/prometheus-adapter-rule.yaml").read_text()
-    series = set(re.findall(r"seriesQuery: '([a-z_]+)\{", text))
-    renamed = set(re.findall(r'as: "([a-z_]+)"', text))
+    custom, _, external = text.partition("\n      external:\n")
+    series = set(re.findall(r"seriesQuery: '([a-z_]+)\{", custom))
+    renamed = set(re.findall(r'as: "([a-z_]+)"', custom))
     for m in SCALING_METRICS:
-        if m.kind == "histogram":
+        if m.per_engine:  # the HPA's External metric: the chart's rules.external
+            assert f"seriesQuery: '{m.series}{{" in external, m.name
+            assert m.series not in series, m.name
+        elif m.kind == "histogram":
             assert f"{m.series}_sum" in series and m.series in renamed, m.name
         else:
             assert m.series in series, m.name

@@ -43,14 +43,22 @@ def wait_for(what, fn, timeout=60.0, interval=0.3):
 
 class FakeMetrics:
     """Answers the builtin autoscaler's scrapes: per-pod histogram totals that grow by
-    (queue seconds, requests) per scrape, as set by the test."""
+    (queue seconds, requests) per scrape, as set by the test; a router pod's scrape is the real
+    router exposition (``RouterMetrics``) with the queue the test sets."""
 
     def __init__(self):
+        from kiln.operator.router.metrics import RouterMetrics
         self.step = (0.0, 1.0)
         self.totals: dict[str, list[float]] = {}
         self.scrapes = 0
+        self.router = RouterMetrics()
+        self.router_scrapes = 0
 
     def __call__(self, pod):
+        if pod["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router":
+            from prometheus_client import generate_latest
+            self.router_scrapes += 1
+            return generate_latest(self.router.registry).decode()
         self.scrapes += 1
         t = self.totals.setdefault(pod["metadata"]["name"], [0.0, 0.0])
         t[0] += self.step[0]
@@ -62,14 +70,15 @@ class FakeMetrics:
 class Operator:
     """The in-process operator (restartable)."""
 
-    def __init__(self, kubeconfig: str, metrics: FakeMetrics):
-        self.kubeconfig, self.metrics = kubeconfig, metrics
+    def __init__(self, kubeconfig: str, metrics: FakeMetrics, router_selector: str = ""):
+        self.kubeconfig, self.metrics, self.router_selector = kubeconfig, metrics, router_selector
         self.handle = None
 
     def options(self, identity="pytest-a"):
         return OperatorOptions(kubeconfig=self.kubeconfig, leader_election=True, lease_namespace=RELEASE_NS,
                                lease_name="kiln", identity=identity, resync_seconds=5, autoscale_seconds=1,
-                               workers=8, metrics_fetcher=self.metrics)
+                               workers=8, metrics_fetcher=self.metrics, router_namespace=RELEASE_NS,
+                               router_selector=self.router_selector)
 
     def start(self, identity="pytest-a"):
         self.handle = start_in_thread(self.options(identity), wait_ready=60)
@@ -122,9 +131,15 @@ def metrics():
     return FakeMetrics()
 
 
+def chart_flag(admin, flag: str) -> str:
+    """The value of ``--flag=`` in the args of the chart's operator Deployment ("" without it)."""
+    args = admin.get("apps/v1", "Deployment", RELEASE_NS, "kiln")["spec"]["template"]["spec"]["containers"][0]["args"]
+    return next((a.split("=", 1)[1] for a in args if a.startswith(f"{flag}=")), "")
+
+
 @pytest.fixture(scope="module")
-def operator(release, metrics):
-    op = Operator(release, metrics)
+def operator(release, metrics, admin):
+    op = Operator(release, metrics, router_selector=chart_flag(admin, "--router-selector"))
     op.start()
     yield op
     op.stop()
@@ -393,6 +408,33 @@ def test_builtin_mode_scales_on_the_pods_metric(plane, admin, ns, metrics):
     metrics.step = (0.0, 5.0)
     wait_for("builtin scale-down", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2-auto")["spec"]["replicas"] == 1, 60)
     metrics.step = (0.0, 1.0)
+
+
+def test_builtin_mode_scales_on_the_routers_queue(plane, admin, ns, metrics):
+    """autoscaling.metric routerQueue: the operator finds the chart's router pods with the chart's
+    --router-selector (with the chart's RBAC), reads the engine's queue from them and scales to
+    ceil(queue / target)."""
+    selector = chart_flag(admin, "--router-selector")
+    routers = admin.list("v1", "Pod", RELEASE_NS, label_selector=selector)
+    assert selector and routers and all(p["metadata"]["name"].startswith("kiln-router") for p in routers)
+    obj = load("smollm2-builtin-autoscaling.yaml")
+    obj["spec"]["autoscaling"] = {"mode": "builtin", "metric": "routerQueue", "target": 4, "minReplicas": 1,
+                                  "maxReplicas": 4, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 2}
+    apply(plane, ns, obj)
+    wait_for("Ready", lambda: ready(admin, ns, "smollm2-auto"), 90)
+    queue = metrics.router.queue.labels(ns, "smollm2-auto", "smollm2-auto")
+    queue.set(10)  # ceil(10 / 4) = 3 replicas
+    metrics.router.queue.labels("elsewhere", "smollm2-auto", "smollm2-auto").set(100)  # another namespace's engine
+    try:
+        wait_for("scale-up on the router's queue",
+                 lambda: admin.get("apps/v1", "Deployment", ns, "smollm2-auto")["spec"]["replicas"] == 3, 60)
+        st = wait_for("status", lambda: (lambda x: x["status"].get("autoscaler") if x["status"].get(
+            "autoscaler", {}).get("desiredReplicas") == 3 else None)(get_ie(admin, ns, "smollm2-auto")), 30)
+        assert st["metric"] == "routerQueue" and metrics.router_scrapes > 0
+        queue.set(0)
+        wait_for("scale-down", lambda: admin.get("apps/v1", "Deployment", ns, "smollm2-auto")["spec"]["replicas"] == 1, 60)
+    finally:
+        queue.set(0)
 
 
 def test_suspend_scales_to_zero(plane, admin, ns):

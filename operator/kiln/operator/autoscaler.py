@@ -6,6 +6,11 @@ recommend replicas the way the HPA does (``ceil(current * metric / target)``
 with a 10% tolerance), through stabilization windows (scale up to the *lowest*
 recommendation of the up-window, down to the *highest* of the down-window).
 
+For ``routerQueue`` the scraped pods are the Kiln router's (the operator's
+``--router-namespace``/``--router-selector``): ``kiln_router_queue_requests`` of the engine
+(labels ``namespace`` and ``engine``) summed over them is the engine's queue, read per replica
+(the total over the current replicas), so the rule gives ``ceil(total / target)``.
+
 The parsing and the decision are pure; ``BuiltinAutoscaler`` holds the per-engine history in
 memory (after an operator restart it starts again from the Deployment's current replicas).
 """
@@ -37,7 +42,8 @@ MetricsFetcher = Callable[[Mapping[str, Any]], str]
 
 
 def http_fetcher(timeout: float = 2.0, loopback_only: bool = False) -> MetricsFetcher:
-    """The default fetcher: ``GET http://<podIP>:8000/metrics``.  ``loopback_only`` (an
+    """The default fetcher: ``GET http://<podIP>:<port>/metrics``, the port of the pod's
+    container port named ``http`` (8000 on a serving pod, 8080 on a router pod), 8000 without one.  ``loopback_only`` (an
     operator running outside the cluster, where pod IPs are not routable: only a local
     process-backed node's 127.x pods are scraped) refuses every other address."""
     import ipaddress
@@ -49,10 +55,19 @@ def http_fetcher(timeout: float = 2.0, loopback_only: bool = False) -> MetricsFe
         if loopback_only and not (ipaddress.ip_address(ip).is_loopback or _is_local_address(ip)):
             raise LookupError(f"pod IP {ip} is not reachable from outside the cluster")
         host = f"[{ip}]" if ":" in ip else ip
-        with urllib.request.urlopen(f"http://{host}:{HTTP_PORT}{METRICS_PATH}", timeout=timeout) as r:
+        with urllib.request.urlopen(f"http://{host}:{_http_port(pod)}{METRICS_PATH}", timeout=timeout) as r:
             return r.read().decode("utf-8", errors="replace")
 
     return fetch
+
+
+def _http_port(pod: Mapping[str, Any]) -> int:
+    """The container port named ``http`` of ``pod``, else the serving port."""
+    for ctr in (pod.get("spec") or {}).get("containers") or ():
+        for port in ctr.get("ports") or ():
+            if port.get("name") == "http" and port.get("containerPort"):
+                return int(port["containerPort"])
+    return HTTP_PORT
 
 
 def _is_local_address(ip: str) -> bool:
@@ -96,15 +111,21 @@ def parse_histogram(text: str, name: str = METRIC_REQUEST_QUEUE_TIME) -> Histogr
     return HistogramTotals(total_sum, total_count) if seen else None
 
 
-def parse_gauge(text: str, name: str, reduce: str = "sum") -> float | None:
+_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_gauge(text: str, name: str, reduce: str = "sum", labels: Mapping[str, str] | None = None) -> float | None:
     """The value of gauge ``name`` in Prometheus text exposition (label sets combined by
-    ``reduce``: ``sum`` or ``max``), or None when absent."""
+    ``reduce``: ``sum`` or ``max``; only those carrying every label of ``labels``), or None when
+    absent."""
     values = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         m = _SAMPLE_RE.match(line)
         if m and m.group(1) == name:
+            if labels and not labels.items() <= dict(_LABEL_RE.findall(m.group(2) or "")).items():
+                continue
             values.append(float(m.group(3)))
     if not values:
         return None
@@ -206,6 +227,8 @@ class BuiltinAutoscaler:
         signal: ScalingMetric = scaling.signal
         if e.metric != scaling.metric:  # another signal: the histogram totals mean nothing now
             e.metric, e.last_totals, e.observed = scaling.metric, {}, None
+        if signal.per_engine:
+            return self._observe_router(e, key, pods, current, scaling, now_iso)
         means: list[float] = []
         alive = set()
         for pod in pods:
@@ -236,7 +259,31 @@ class BuiltinAutoscaler:
             del e.last_totals[gone]
         if not means:
             return False
-        metric = sum(means) / len(means)
+        return self._decide(e, sum(means) / len(means), current, scaling, now_iso)
+
+    def _observe_router(self, e: EngineScaling, key: str, router_pods: list[Mapping[str, Any]], current: int,
+                        scaling: AutoscalingSpec, now_iso: str) -> bool:
+        """``observe`` for the router's queue: ``router_pods`` are the router's ready pods; the
+        engine's queue is the sum of their ``kiln_router_queue_requests{namespace, engine}``."""
+        namespace, _, name = key.partition("/")
+        total, seen = 0.0, False
+        for pod in router_pods:
+            try:
+                text = self.fetcher(pod)
+            except Exception:  # noqa: BLE001 - an unreachable router pod is skipped
+                continue
+            value = parse_gauge(text, scaling.signal.series, labels={"namespace": namespace, "engine": name})
+            seen = True  # a router that has not seen the engine yet has no series: a queue of 0
+            total += value or 0.0
+        if not seen:
+            return False
+        if total > 0:
+            e.last_active = now_iso
+        return self._decide(e, total / max(current, 1), current, scaling, now_iso)
+
+    def _decide(self, e: EngineScaling, metric: float, current: int, scaling: AutoscalingSpec, now_iso: str) -> bool:
+        """Record ``metric`` (per replica), recommend and stabilize; True when the desired
+        replicas differ from ``current`` or changed."""
         e.observed = metric
         t = self.clock()
         rec = recommend(current, metric, scaling.target_value,

@@ -47,7 +47,7 @@ class AutoscalingSpec:
             (a KEDA ScaledObject with a Prometheus trigger).
         min_replicas / max_replicas: bounds when autoscaling (max defaults to max(4, min)).
         metric: the signal (``scaling_metrics``): queueTime (default), timeToFirstToken,
-            kvCacheUsage or waitingRequests.
+            kvCacheUsage, waitingRequests or routerQueue (the Kiln router's queue of the engine).
         target_queue_time_seconds: target mean request queue time per pod (metric queueTime).
         target: the per-pod target in the metric's unit; None: ``targetQueueTimeSeconds`` for
             queueTime, the metric's default otherwise.

@@ -39,6 +39,10 @@ class ControllerConfig:
         autoscale_seconds: builtin autoscaler scrape interval.
         backoff_base / backoff_max: retry delays after a failed reconcile.
         engine_gc_seconds: the engine cache cleanup step runs this often (0: never).
+        router_namespace / router_selector: where the Kiln router's pods are (namespace and
+            label selector), whose ``/metrics`` the builtin autoscaler reads for
+            ``autoscaling.metric: routerQueue`` (empty selector: no router; such an engine
+            keeps its replicas).
     """
 
     workers: int = 8
@@ -47,6 +51,8 @@ class ControllerConfig:
     backoff_base: float = 1.0
     backoff_max: float = 60.0
     engine_gc_seconds: float = 300.0
+    router_namespace: str = ""
+    router_selector: str = ""
 
 
 def _rv(body: Mapping[str, Any] | None) -> int:
@@ -238,7 +244,15 @@ class Controller:
         if dep is None:
             return False
         current = int((dep.get("spec") or {}).get("replicas") or 0)
-        pods = self.kube.list("v1", "Pod", meta["namespace"], label_selector=b.selector_string(owner))
+        if scaling.signal.per_engine:  # the router's queue: scrape the router's pods
+            if not self.config.router_selector:
+                log.warning("%s: autoscaling.metric %s needs the router (--router-selector); replicas kept",
+                            key, scaling.metric)
+                return False
+            pods = self.kube.list("v1", "Pod", self.config.router_namespace,
+                                  label_selector=self.config.router_selector)
+        else:
+            pods = self.kube.list("v1", "Pod", meta["namespace"], label_selector=b.selector_string(owner))
         ready = [p for p in pods if _pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
         return self.autoscaler.observe(key, ready, current, scaling, now_rfc3339())
 

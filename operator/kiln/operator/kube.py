@@ -117,7 +117,9 @@ class Kube:
                 content_type: str = "application/json", timeout: float = 30.0, text: bool = False) -> Any:
         """One HTTP request; returns the parsed JSON body (None when empty), or with ``text``
         the body as text.  Raises ``ApiError`` on a non-2xx answer."""
-        headers = {"Accept": "text/plain" if text else "application/json", "Content-Type": content_type}
+        # pods/log answers text/plain but, as of Kubernetes 1.36, refuses (406) an Accept that names
+        # only text/plain: accept anything, as kubectl does
+        headers = {"Accept": "application/json, */*" if text else "application/json", "Content-Type": content_type}
         data = body if (body is None or isinstance(body, (str, bytes))) else json.dumps(body)
         method_, url, hdrs, _, _ = self.api.param_serialize(
             method, path, query_params=list((query or {}).items()) or None,

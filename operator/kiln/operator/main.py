@@ -55,6 +55,10 @@ class OperatorOptions:
         engine_gc_seconds / engine_retention_seconds / engine_cache_min_free: the engine cache
             lifecycle (``enginegc.py``).
         endpoint_picker_role: ``(kind, name)`` of the role endpoint pickers are bound to.
+        router_namespace / router_selector: the Kiln router's pods, read by the builtin
+            autoscaler for ``autoscaling.metric: routerQueue`` (empty selector: none).
+        build_progress_seconds: while a build runs, its pod's log is read this often for
+            ``status.build``'s progress.
     """
 
     namespaces: list[str] = field(default_factory=list)
@@ -75,6 +79,9 @@ class OperatorOptions:
     engine_retention_seconds: float = 7 * 86400.0
     engine_cache_min_free: int = 0
     endpoint_picker_role: tuple[str, str] = EPP_ROLE
+    router_namespace: str = ""
+    router_selector: str = ""
+    build_progress_seconds: float = 10.0
 
 
 def parse_args(argv: Sequence[str]) -> OperatorOptions:
@@ -110,6 +117,13 @@ def parse_args(argv: Sequence[str]) -> OperatorOptions:
     p.add_argument("--endpoint-picker-role", type=_role, default=EPP_ROLE, metavar="KIND/NAME",
                    help="the role endpoint pickers of spec.gateway.inferencePool are bound to "
                         "(ClusterRole/NAME or Role/NAME; default ClusterRole/kiln-endpoint-picker)")
+    p.add_argument("--router-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                   help="namespace of the Kiln router's pods (default: $POD_NAMESPACE)")
+    p.add_argument("--router-selector", default="",
+                   help="label selector of the Kiln router's pods, whose /metrics the builtin autoscaler "
+                        "reads for autoscaling.metric routerQueue (default: none)")
+    p.add_argument("--build-progress-seconds", type=float, default=10.0,
+                   help="while a build runs, its pod's log is read this often for status.build's progress")
     p.add_argument("--log-level", default=os.environ.get("KILN_LOG_LEVEL", "INFO"))
     a = p.parse_args(list(argv))
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,7 +138,8 @@ def parse_args(argv: Sequence[str]) -> OperatorOptions:
         liveness_endpoint=a.liveness, health_port=a.health_port, workers=a.workers, resync_seconds=a.resync_seconds,
         autoscale_seconds=a.autoscale_seconds, engine_gc_seconds=a.engine_gc_seconds,
         engine_retention_seconds=a.engine_retention_seconds, engine_cache_min_free=a.engine_cache_min_free,
-        endpoint_picker_role=a.endpoint_picker_role)
+        endpoint_picker_role=a.endpoint_picker_role, router_namespace=a.router_namespace,
+        router_selector=a.router_selector, build_progress_seconds=a.build_progress_seconds)
 
 
 _UNITS = {"": 1, "k": 1000, "M": 1000 ** 2, "G": 1000 ** 3, "T": 1000 ** 4,
@@ -240,9 +255,11 @@ def make_controller(opts: OperatorOptions, kube: Kube) -> Controller:
     """The controller for ``opts``."""
     return Controller(
         kube, ReconcilerConfig(default_image=opts.default_image, pods_loopback_only=not _in_cluster(opts),
-                               epp_role=opts.endpoint_picker_role),
+                               epp_role=opts.endpoint_picker_role, progress_seconds=opts.build_progress_seconds),
         ControllerConfig(workers=opts.workers, resync_seconds=opts.resync_seconds,
-                         autoscale_seconds=opts.autoscale_seconds, engine_gc_seconds=opts.engine_gc_seconds),
+                         autoscale_seconds=opts.autoscale_seconds, engine_gc_seconds=opts.engine_gc_seconds,
+                         router_namespace=opts.router_namespace or opts.lease_namespace or "",
+                         router_selector=opts.router_selector),
         BuiltinAutoscaler(fetcher=opts.metrics_fetcher or http_fetcher(loopback_only=not _in_cluster(opts))),
         GcSettings(retention_seconds=opts.engine_retention_seconds, min_free_bytes=opts.engine_cache_min_free,
                    image=opts.default_image))

@@ -2,14 +2,18 @@
 
 ``kiln_router_queue_requests{namespace, engine, model}`` is the scaling signal: requests held
 (waiting for a ready replica, e.g. while the engine scales from zero) plus requests in flight
-to a replica, per model.  An HPA (External metric through prometheus-adapter) or KEDA
-(Prometheus scaler) can scale an engine on it; a value above 0 for an engine at zero replicas
-is exactly the demand that the activity signal turns into a 0 -> 1.
+to a replica, per model.  ``spec.autoscaling.metric: routerQueue`` scales an engine on it
+(``kiln.operator.scaling_metrics``: an External HPA metric through the chart's
+prometheus-adapter rule, KEDA's Prometheus trigger, or the builtin autoscaler scraping the
+router's pods); a value above 0 for an engine at zero replicas is exactly the demand that the
+activity signal turns into a 0 -> 1.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..scaling_metrics import ROUTER_QUEUE_SERIES
 
 LABELS = ("namespace", "engine", "model")
 
@@ -22,7 +26,7 @@ class RouterMetrics:
         self.held = Gauge("kiln_router_requests_held", "Requests waiting for a ready replica.", LABELS, registry=r)
         self.outstanding = Gauge("kiln_router_requests_outstanding", "Requests in flight to a replica.",
                                  LABELS, registry=r)
-        self.queue = Gauge("kiln_router_queue_requests",
+        self.queue = Gauge(ROUTER_QUEUE_SERIES,
                            "Held plus in-flight requests per model: the router's scaling signal.", LABELS, registry=r)
         self.requests = Counter("kiln_router_requests", "Requests answered, by HTTP status code.",
                                 (*LABELS, "code"), registry=r)
