@@ -281,3 +281,40 @@ def test_bench_offline_copy_prints_the_spec_metrics(tiny, tmp_path, capsys):
     assert line == (f"speculative draft k=3 (off above 8 sequences): acceptance 1.000, mean accepted length "
                     f"{r['spec_mean_accepted_length']:.2f} tokens, per position [1.00 1.00 1.00], "
                     f"{r['spec_draft_tokens']} drafts proposed")
+
+
+class _EagerVerifyGraph:
+    """On the CPU, where no CUDA graph is captured: ``replay()`` makes the call a captured
+    multi-token graph would replay (the model over the persistent inputs) into its output."""
+
+    def __init__(self, graphs, bs: int):
+        rows = bs * graphs.verify_len
+        self.replay = lambda: graphs.verify_outputs[bs].copy_(
+            graphs.runner.model(graphs.input_ids[:rows], graphs.positions[:rows], graphs.verify_metadata(bs)))
+
+
+def test_draft_catch_up_through_the_multi_token_graph_inputs(tiny, base):
+    """The draft model's catch-up forwards (the tokens verified since its last step, up to
+    k + 1 per sequence) staged through its multi-token graph inputs
+    (``DecodeGraphs.run_verify_rows``: rows packed per sequence, query start offsets, padding)
+    give the eager catch-up's drafts: every draft accepted, outputs equal plain decoding."""
+    from kiln.runtime.decode_graphs import DecodeGraphs
+
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, PARAMS)]
+    llm = _llm(tiny, speculative_method="draft", num_speculative_tokens=K, speculative_model=tiny,
+               speculative_disable_by_batch_size=16)
+    runner = llm.engine.core.spec.proposer.runner
+    g = DecodeGraphs(runner, 16, llm.engine.max_model_len, verify_len=K + 1, verify_max_seqs=16)
+    for bs in g.verify_sizes:
+        g.verify_outputs[bs] = torch.empty(bs * g.verify_len, TINY_CONFIG["hidden_size"], dtype=runner.dtype)
+        g.verify_graphs[bs] = _EagerVerifyGraph(g, bs)
+    assert not g.graphs  # one-token draft steps stay eager
+    runner.decode_graphs = g
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    finally:
+        runner.decode_graphs = None
+    assert g.num_verify_replays > 0
+    assert llm.engine.core.spec.stats.acceptance_rate == 1.0
+    assert got == want
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0

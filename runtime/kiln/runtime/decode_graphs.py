@@ -233,10 +233,45 @@ class DecodeGraphs:
         the step's ``T`` token rows, each sequence's rows in turn in ``out.scheduled`` order
         (as the eager forward would give them without reordering); None when no verify graph
         fits."""
-        n = len(out.scheduled)
-        if not self.verify_graphs or n > self.verify_sizes[-1] \
-                or any(sr.num_new_tokens > self.verify_len for sr in out.scheduled):
+        if not self._verify_fits([sr.num_new_tokens for sr in out.scheduled]):
             return None
+        seqs, ph_dst, ph_src = [], [], []
+        r = 0
+        for sr in out.scheduled:
+            req = sr.request
+            start, m, k = sr.num_computed_tokens, sr.num_new_tokens, sr.num_spec_tokens
+            toks = req.token_slice(start, start + m - k) + list(sr.spec_token_ids)
+            for j, tok in enumerate(toks):
+                if tok == PLACEHOLDER_TOKEN_ID:
+                    ph_dst.append(r + j)
+                    ph_src.append(self.runner.placeholder_source(req.request_id))
+                    toks[j] = 0
+            seqs.append((toks, start, sr.block_ids, req.lora_id))
+            r += m
+        return self._replay_verify(seqs, ph_dst, ph_src)
+
+    def run_verify_rows(self, tokens: list[list[int]], starts: list[int],
+                        block_tables: list[list[int]]) -> torch.Tensor | None:
+        """Replay a verify graph for sequences given as host lists (a draft model catching up
+        on the tokens verified since its last step, which has no ``SchedulerOutput``):
+        sequence ``i`` computes ``tokens[i]`` at positions ``starts[i]...`` over the block ids
+        ``block_tables[i]`` (its K/V written there).  Returns the hidden states [T, hidden] of
+        all rows, sequence by sequence; None when no verify graph fits."""
+        if not tokens or not self._verify_fits([len(t) for t in tokens]):
+            return None
+        return self._replay_verify([(list(t), s, b, 0) for t, s, b in zip(tokens, starts, block_tables)], [], [])
+
+    def _verify_fits(self, rows_per_seq: list[int]) -> bool:
+        return bool(self.verify_graphs) and len(rows_per_seq) <= self.verify_sizes[-1] \
+            and max(rows_per_seq, default=0) <= self.verify_len
+
+    def _replay_verify(self, seqs: list[tuple[list[int], int, list[int], int]], ph_dst: list[int],
+                       ph_src: list[int]) -> torch.Tensor:
+        """Stage ``(tokens, first position, block ids, LoRA id)`` per sequence into the verify
+        graph inputs (rows packed sequence by sequence, query start offsets, padded rows and
+        sequences) and replay the smallest verify graph of at least as many sequences; rows
+        ``ph_dst`` take the previous step's sampled ids ``ph_src`` on the device."""
+        n = len(seqs)
         bs = next(b for b in self.verify_sizes if b >= n)
         rows = bs * self.verify_len
         blk = self.block_size
@@ -245,30 +280,21 @@ class DecodeGraphs:
         table = self.host_table[turn]
         h_ids, h_pos, h_slot, h_len, h_qsl = host[0], host[1], host[2], host[3], host[4]
         tnp = self.host_table_np[turn]
-        ph_dst: list[int] = []
-        ph_src: list[int] = []
         lora_rows: list[tuple[int, int]] = []
         r = 0
         h_qsl[0] = 0
-        for i, sr in enumerate(out.scheduled):
-            req = sr.request
-            start, m, k = sr.num_computed_tokens, sr.num_new_tokens, sr.num_spec_tokens
-            toks = req.token_slice(start, start + m - k) + list(sr.spec_token_ids)
-            b = sr.block_ids
+        for i, (toks, start, b, lora_id) in enumerate(seqs):
             for j, tok in enumerate(toks):
-                if tok == PLACEHOLDER_TOKEN_ID:
-                    ph_dst.append(r + j)
-                    ph_src.append(self.runner.placeholder_source(req.request_id))
-                    tok = 0
                 p = start + j
                 h_ids[r + j] = tok
                 h_pos[r + j] = p
                 h_slot[r + j] = b[p // blk] * blk + p % blk
+            m = len(toks)
             r += m
             h_len[i] = start + m
             h_qsl[i + 1] = r
             tnp[i, : len(b)] = b
-            lora_rows.append((req.lora_id, m))
+            lora_rows.append((lora_id, m))
         host[:2, r:rows] = 0
         h_slot[r:rows] = -1
         h_len[n:bs] = 0

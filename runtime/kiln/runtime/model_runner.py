@@ -325,16 +325,20 @@ class ModelRunner:
         """One eager warm-up forward over ``(context, new_tokens)`` rows, writing nothing."""
         kernel_warmup.warmup_forward(self, rows)
 
-    def capture_cuda_graphs(self, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_model_len: int, catch_up_rows: int = 0) -> None:
         """Capture the decode step's CUDA graphs (``decode_graphs.DecodeGraphs``) for contexts
-        up to ``max_model_len`` tokens, and the verify step's with speculative decoding;
+        up to ``max_model_len`` tokens, and the verify step's with speculative decoding (or,
+        for a draft model, multi-token graphs of ``catch_up_rows`` rows per sequence);
         nothing off CUDA or with ``enable_cuda_graphs`` off."""
         if self.device.type != "cuda" or not self.args.enable_cuda_graphs:
             return
         spec = self.args.speculative
-        self.decode_graphs = DecodeGraphs(self, self.args.max_num_seqs, max_model_len,
-                                          verify_len=spec.num_speculative_tokens + 1 if spec else 0,
-                                          verify_max_seqs=spec.max_batch_size if spec else 0)
+        if spec is not None:
+            verify_len, verify_max_seqs = spec.num_speculative_tokens + 1, spec.max_batch_size
+        else:
+            verify_len, verify_max_seqs = catch_up_rows, self.args.max_num_seqs if catch_up_rows else 0
+        self.decode_graphs = DecodeGraphs(self, self.args.max_num_seqs, max_model_len, verify_len=verify_len,
+                                          verify_max_seqs=verify_max_seqs)
         self.decode_graphs.capture()
 
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], grammar_mask=None,

@@ -67,8 +67,11 @@ def load_tokenizer(source: tuple[str, str]):
     return None
 
 
-def load_model(args: EngineArgs, tp=None) -> LoadedModel:
+def load_model(args: EngineArgs, tp=None, catch_up_rows: int = 0) -> LoadedModel:
     """Load weights, size and allocate the KV pool, warm the kernels up, capture graphs.
+
+    ``catch_up_rows``: a draft model's multi-token graphs (``DecodeGraphs.run_verify_rows``)
+    of up to that many rows per sequence, for its catch-up forwards (0: none).
 
     The served context is ``max_model_len`` (default: min(model's context, 4096), capped by an
     engine's build ``max_seq_len``).  When the KV pool cannot hold one sequence of that
@@ -140,7 +143,7 @@ def load_model(args: EngineArgs, tp=None) -> LoadedModel:
     runner.allocate_kv_cache(num_blocks)
     if args.kernel_warmup:
         runner.warmup_kernels(args.max_num_batched_tokens, max_model_len, args.max_num_seqs)
-    runner.capture_cuda_graphs(max_model_len)
+    runner.capture_cuda_graphs(max_model_len, catch_up_rows)
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(int(tokenizer.eos_token_id))

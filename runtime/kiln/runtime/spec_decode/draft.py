@@ -77,7 +77,9 @@ class DraftModelProposer:
 
         args = draft_engine_args(target.args, config.model)
         args = replace(args, num_kv_blocks=target.runner.num_kv_blocks, max_model_len=target.max_model_len)
-        draft = load_model(args)
+        # catch-up forwards of up to k + 1 tokens per sequence (the tokens verified since the
+        # last step) replay multi-token graphs; the first, over a whole prompt, runs eagerly
+        draft = load_model(args, catch_up_rows=config.num_speculative_tokens + 1)
         if draft.model_config.vocab_size != target.model_config.vocab_size:
             raise ValueError(f"speculative model {config.model}: its vocabulary has {draft.model_config.vocab_size} "
                              f"tokens, the target's {target.model_config.vocab_size}; a draft model must share the "
@@ -114,18 +116,27 @@ class DraftModelProposer:
             return {}
         bs = self.block_size
         # 1. catch-up: every position from the first the draft lacks to the last known token
-        ids, pos, slots, seq_lens, q_lens, tables = [], [], [], [], [], []
+        ids, pos, slots, seq_lens, q_lens, tables, starts, runs = [], [], [], [], [], [], [], []
         for sr in srs:
             req, n = sr.request, sr.num_tokens
             start = min(self._computed(req), n - 1)
-            ids += req.token_slice(start, n)
+            runs.append(req.token_slice(start, n))
+            ids += runs[-1]
+            starts.append(start)
             pos += range(start, n)
             slots += [sr.block_ids[p // bs] * bs + p % bs for p in range(start, n)]
             seq_lens.append(n)
             q_lens.append(n - start)
             tables.append(sr.block_ids)
         last = [sum(q_lens[: i + 1]) - 1 for i in range(len(srs))]
-        logits = self._forward(ids, pos, slots, seq_lens, q_lens, tables, last)
+        graphs = self.runner.decode_graphs
+        hidden = None
+        if graphs is not None and any(q > 1 for q in q_lens):
+            hidden = graphs.run_verify_rows(runs, starts, tables)
+        if hidden is not None:
+            logits = self.runner.model.compute_logits(hidden.index_select(0, self.runner.h2d(last, torch.int64)))
+        else:
+            logits = self._forward(ids, pos, slots, seq_lens, q_lens, tables, last)
         probs: dict[str, list[torch.Tensor]] = {}
         tok = self._pick(logits, srs, rows, probs)  # int64 [R] on the device
         drafts = [[t] for t in tok.tolist()]
