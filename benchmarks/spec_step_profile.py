@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import sys
 import tempfile
 import time
@@ -115,12 +116,16 @@ def main() -> int:
             if fwd is not None:
                 inner = getattr(type(prop), fwd)
 
-                def counted(*a, _inner=inner, **k):
-                    q_lens = a[5] if len(a) > 5 else k.get("q_lens")
+                sig = inspect.signature(inner)
+
+                def counted(*a, _inner=inner, _sig=sig, **k):
+                    q_lens = _sig.bind(prop, *a, **k).arguments["q_lens"]
                     eager["one-token" if q_lens and all(q == 1 for q in q_lens) else "catch-up"] += 1
                     return _inner(prop, *a, **k)
 
                 setattr(prop, fwd, counted)
+            graphs_d = prop.runner.decode_graphs if method == "draft" else None  # the draft's own
+            catch0 = graphs_d.num_verify_replays if graphs_d is not None else 0
             steps0 = llm.engine.num_steps
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
@@ -130,11 +135,12 @@ def main() -> int:
             steps = llm.engine.num_steps - steps0
             n_out = sum(len(o.outputs[0].token_ids) for o in outs)
             st = core.spec.stats
+            catch_up = (graphs_d.num_verify_replays - catch0) if graphs_d is not None else 0
             print(f"\n== {method} batch {b}: {n_out} tokens in {wall * 1e3:.0f} ms ({n_out / wall:.0f} tok/s), "
                   f"{steps} steps, acceptance {st.acceptance_rate:.3f}, verify graph replays "
                   f"{(graphs.num_verify_replays - replays0) if graphs is not None else 0}, "
                   f"draft-side graphs: {'yes' if getattr(getattr(prop, 'runner', None), 'decode_graphs', None) else 'no'}, "
-                  f"proposer forwards {dict(eager)}")
+                  f"proposer forwards {dict(eager)} (+{catch_up} catch-ups replayed as graphs)")
             for name, s in sorted(timer.seconds.items(), key=lambda x: -x[1]):
                 print(f"   {name:38s} {s * 1e3 / max(steps, 1):8.3f} ms/step  ({timer.calls[name]} calls)")
         del llm
