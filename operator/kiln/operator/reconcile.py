@@ -318,8 +318,8 @@ class Reconciler:
         server answered, and the children it refused (``REFUSALS``: the status reports them;
         any other error is raised and retried)."""
         for ref in todo.delete:
-            self.kube.delete(ref.api_version, ref.kind, ref.namespace, ref.name)
-            log.info("deleted %s %s/%s", ref.kind, ref.namespace, ref.name)
+            if self.kube.delete(ref.api_version, ref.kind, ref.namespace, ref.name):  # False: already gone
+                log.info("deleted %s %s/%s", ref.kind, ref.namespace, ref.name)
         applied: dict[str, Obj] = {}
         refused: list[Refusal] = []
         for obj in todo.apply:
