@@ -32,10 +32,22 @@ def test_fetch_folder_checked_against_the_engine(tiny_engine, tmp_path, capsys):
     src = write_random_adapter(tmp_path / "src", TINY_CONFIG, rank=8)
     out = tmp_path / "claim" / ".adapters" / "k1"
     assert _fetch("--source", str(src), "--output", str(out), "--engine", str(tiny_engine)) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".kiln-source", "adapter_config.json", "adapter_model.safetensors"]
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
-    assert _fetch("--source", str(tmp_path / "gone"), "--output", str(out), "--engine", str(tiny_engine)) == 0
+    assert _fetch("--source", str(src), "--output", str(out), "--engine", str(tiny_engine)) == 0
     assert "already there" in capsys.readouterr().err
+    # a folder fetched from another source is not taken for this one
+    assert _fetch("--source", str(tmp_path / "other"), "--output", str(out), "--engine", str(tiny_engine)) == 2
+    err = capsys.readouterr().err
+    assert f"OutputInUse: {out} holds the adapter of {src}" in err and len(err.splitlines()) == 1, err
+
+
+def test_builtin_rank_above_the_limit_names_the_source_and_the_flag(tiny_engine, tmp_path, capsys):
+    out = tmp_path / "a"
+    assert _fetch("--source", "builtin:random?rank=32", "--output", str(out), "--engine", str(tiny_engine)) == 2
+    err = capsys.readouterr().err
+    assert "RankTooLarge: builtin:random?rank=32:" in err and "raise --max-lora-rank to 32" in err, err
+    assert "kiln-adapter-" not in err and not out.exists()
 
 
 @pytest.mark.parametrize("case, reason", [("missing", "NotFound"), ("file", "InvalidAdapter"),
@@ -77,7 +89,7 @@ def test_fetch_from_the_hub(tiny_engine, tmp_path, monkeypatch):
         monkeypatch.setenv("HF_TOKEN", "hf_secret")
         assert _fetch("--source", "hf://org/tiny-lora@main", "--output", str(out), "--engine", str(tiny_engine),
                       "--download-dir", str(tmp_path / "cache")) == 0
-        assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(p.name for p in out.iterdir()) == [".kiln-source", "adapter_config.json", "adapter_model.safetensors"]
         assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
         model = tmp_path / "model"
         model.mkdir()

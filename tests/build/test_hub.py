@@ -204,7 +204,9 @@ def test_parse_dataset_file():
     assert parse_dataset_file("hf://datasets/org/data/cal.jsonl") == (HubRef("org/data", repo_type="dataset"),
                                                                       "cal.jsonl")
     assert ds.uri() == "hf://datasets/org/data@v1"
-    assert parse_dataset_file("/data/cal.jsonl") is None and parse_dataset_file("hf://org/data") is None
+    assert parse_dataset_file("/data/cal.jsonl") is None
+    with pytest.raises(HubError, match="a file of a dataset repository: hf://datasets/"):
+        parse_dataset_file("hf://org/data/cal.jsonl")  # a model repository's spelling
     for bad in ("hf://datasets/org/data", "hf://datasets/org/data@/c", "hf://datasets/data/c.txt"[:-6],
                 "hf://datasets/org/data/../c", "hf://datasets/org/data//c"):
         with pytest.raises(HubError, match="DatasetNotFound"):

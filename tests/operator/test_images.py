@@ -100,8 +100,9 @@ def test_operator_cli_accepts_the_image_and_chart_flags(operator_df):
     dep = (ROOT / "helm/kiln/templates/deployment.yaml").read_text()
     flags = re.findall(r"- (--[a-z-]+)", dep)
     rendered = [f + ("=1" if f in ("--workers", "--resync-seconds", "--autoscale-seconds", "--health-port",
-                                   "--engine-gc-seconds", "--engine-retention-seconds", "--engine-cache-min-free") else
-                     "=x" if f in ("--runtime-image", "--lease-name", "--namespace") else
+                                   "--engine-gc-seconds", "--engine-retention-seconds", "--engine-cache-min-free",
+                                   "--build-progress-seconds") else
+                     "=x" if f in ("--runtime-image", "--lease-name", "--namespace", "--router-selector") else
                      "=INFO" if f == "--log-level" else
                      "=ClusterRole/kiln-endpoint-picker" if f == "--endpoint-picker-role" else "") for f in flags]
     parse_args(rendered)  # every flag the chart passes exists

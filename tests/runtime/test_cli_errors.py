@@ -122,12 +122,21 @@ def test_serve_bad_name_or_shutdown_timeout_refused_before_loading(monkeypatch, 
 
 @pytest.mark.parametrize("args,msg", [
     (["--tensor-parallel-size", "2", "--speculative-method", "ngram"],
-     "speculative decoding is not served with tensor_parallel_size > 1"),
-    (["--speculative-method", "draft"], "speculative method draft needs speculative_model"),
-    (["--speculative-method", "eagle"], "speculative method eagle needs speculative_model"),
+     "speculative decoding is not served with --tensor-parallel-size > 1"),
+    (["--speculative-method", "draft"], "speculative method draft needs --speculative-model"),
+    (["--speculative-method", "eagle"], "speculative method eagle needs --speculative-model"),
     (["--speculative-method", "ngram", "--speculative-model", "builtin:smollm2-135m-instruct"],
      "speculative method ngram uses no model"),
-    (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "num_speculative_tokens must be"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be"),
+    # n-gram and switch-off flags without a method (or the window with a model-based method)
+    # would be accepted and ignored
+    (["--prompt-lookup-min", "3"], "need --speculative-method"),
+    (["--prompt-lookup-max", "3"], "need --speculative-method"),
+    (["--speculative-disable-by-batch-size", "3"], "need --speculative-method"),
+    (["--speculative-method", "draft", "--speculative-model", "builtin:smollm2-135m-instruct",
+      "--prompt-lookup-max", "3"], "apply to speculative method ngram only"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
+    (["--lora-dir", "/tmp"], "--lora-dir applies to LoRA serving: add --enable-lora"),
 ])
 def test_serve_unsupported_speculation_is_one_line_and_exit_2_before_loading(monkeypatch, capsys, args, msg):
     """What the operator refuses as InvalidSpec (kiln.operator.speculative), kiln serve refuses

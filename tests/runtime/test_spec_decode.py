@@ -314,7 +314,7 @@ def test_cli_flags_reach_engine_args_and_bad_ones_exit_2(capsys):
     ns = build_parser().parse_args(["bench", "offline", "--speculative-method", "draft", "--speculative-model", "x"])
     assert engine_args_from(ns).speculative.model == "x"
     assert main(["serve", "--port", "0", "--speculative-method", "draft"]) == 2
-    assert "needs speculative_model" in capsys.readouterr().err
+    assert "needs --speculative-model" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--num-speculative-tokens", "3"]) == 2
 
 

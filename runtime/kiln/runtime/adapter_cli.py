@@ -14,14 +14,16 @@ seeded random weights written for the base of ``--engine`` or ``--model``, which
 ``--engine`` (an engine folder) or ``--model`` (a model source, as ``kiln serve --model``)
 every tensor's shape against that model, so an adapter of another base fails here with a
 reason instead of in the pods.  ``adapter_config.json`` and ``adapter_model.safetensors`` are
-copied into a temporary folder beside ``--output`` and renamed into place; an ``--output`` that
-already holds a valid adapter is kept (exit 0).
+copied into a temporary folder beside ``--output`` with ``.kiln-source`` (the source) and
+renamed into place; an ``--output`` that already holds a valid adapter of the same source is
+kept (exit 0), one fetched from another source is refused (``OutputInUse``).
 
 Exit codes: 0 fetched (the folder is printed), 2 a source that cannot be served (one line
 ``kiln adapter: error: REASON: message`` on stderr and in the termination log; reasons
 ``NotFound``, ``InvalidAdapter``, ``InvalidSource`` (a builtin adapter's name or parameters,
 a builtin without a base), ``RankTooLarge``, ``ShapeMismatch``, ``ModelNotFound``,
-``RevisionNotFound``, ``Unauthorized``, ``DownloadFailed``, ``InvalidEngine``, ``InvalidModel``).
+``RevisionNotFound``, ``Unauthorized``, ``DownloadFailed``, ``InvalidEngine``, ``InvalidModel``,
+``OutputInUse``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .cache_folder import place_folder
 TERMINATION_LOG = "/dev/termination-log"
 CONFIG_FILE = "adapter_config.json"  # = lora.peft_format.CONFIG_FILE (that module needs torch)
 WEIGHTS_FILE = "adapter_model.safetensors"
+SOURCE_FILE = ".kiln-source"  # the --source an adapter folder was fetched from (one line)
 
 
 def add_adapter_args(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +143,10 @@ def run_adapter(ns: argparse.Namespace) -> int:
                 raise LoRAError(f"{ns.source}: a builtin adapter is shaped for a base model; give --engine or "
                                 "--model", "InvalidSource")
             if (out / CONFIG_FILE).is_file() and (out / WEIGHTS_FILE).is_file():
+                placed = (out / SOURCE_FILE).read_text().strip() if (out / SOURCE_FILE).is_file() else None
+                if placed is not None and placed != ns.source.strip():
+                    raise LoRAError(f"{out} holds the adapter of {placed}, not of {ns.source}; give another "
+                                    "--output (or remove that folder)", "OutputInUse")
                 _check(out, ns, cfg)
                 print(f"kiln adapter: {out} is already there", file=sys.stderr)
                 print(out)
@@ -161,12 +168,15 @@ def run_adapter(ns: argparse.Namespace) -> int:
             return _error(ns, "InvalidSource", str(e))
         except hub.HubError as e:
             return _error(ns, e.reason, str(e).split(": ", 1)[-1])
-        except LoRAError as e:
-            return _error(ns, e.reason, str(e))
+        except LoRAError as e:  # a builtin adapter's scratch folder is named by its source
+            return _error(ns, e.reason, str(e).replace(str(Path(scratch) / "adapter"), ns.source))
         except _BaseError as e:
             return _error(ns, e.reason, str(e))
+        source_file = Path(scratch) / SOURCE_FILE
         try:
-            place_folder(out, [folder / CONFIG_FILE, folder / WEIGHTS_FILE], lambda: (out / CONFIG_FILE).is_file())
+            source_file.write_text(ns.source.strip() + "\n")
+            place_folder(out, [folder / CONFIG_FILE, folder / WEIGHTS_FILE, source_file],
+                         lambda: (out / CONFIG_FILE).is_file())
         except OSError as e:
             return _error(ns, "WriteFailed", f"cannot write {out}: {e}")
     print(f"kiln adapter: {ns.source} -> {out}", file=sys.stderr)

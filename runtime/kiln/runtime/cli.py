@@ -17,6 +17,7 @@ import functools
 import importlib
 import logging
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -72,10 +73,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       help="drafts per sequence and step (default: 4)")
     spec.add_argument("--speculative-model", default=None, metavar="SRC",
                       help="draft: a model source (as --model) or a `kiln build` engine folder; eagle: the head")
-    spec.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
-                      help="ngram: shortest suffix matched (tokens; default: %(default)s)")
-    spec.add_argument("--prompt-lookup-max", type=int, default=5, metavar="N",
-                      help="ngram: longest suffix matched (tokens; default: %(default)s)")
+    spec.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                      help="ngram: shortest suffix matched (tokens; default: 2)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
+                      help="ngram: longest suffix matched (tokens; default: 5)")
     spec.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="SEQS",
                       help="decode without drafts while more sequences than this run (default: measured per "
                            "method, see docs/benchmarks.md)")
@@ -366,8 +367,23 @@ def _call(name: str, fn: Callable[[], int]) -> int:
               f"pip install 'kiln[{extra}]'", file=sys.stderr)
         return EXIT_MISSING_MODULE
     except (ValueError, FileNotFoundError, PermissionError) as e:  # user mistakes: bad model, flag, path
-        print(f"kiln: error: {e}", file=sys.stderr)
+        print(f"kiln: error: {_as_flags(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _as_flags(message: str) -> str:
+    """``message`` with the ``EngineArgs`` field names of several words (``max_num_seqs``)
+    spelled as the flags that set them (``--max-num-seqs``): the engine's checks name fields,
+    a command line user knows flags."""
+    import dataclasses  # noqa: PLC0415
+
+    try:
+        from .config import EngineArgs  # noqa: PLC0415
+    except ImportError:  # an image without the runtime's dependencies (the operator's)
+        return message
+    names = sorted((f.name for f in dataclasses.fields(EngineArgs) if "_" in f.name), key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w./-])(" + "|".join(map(re.escape, names)) + r")(?![\w/])")
+    return pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def main(argv: list[str] | None = None) -> int:

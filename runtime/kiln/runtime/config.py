@@ -136,8 +136,8 @@ class EngineArgs:
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     speculative_model: str | None = None
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
+    prompt_lookup_min: int | None = None  # None: 2 (ngram only)
+    prompt_lookup_max: int | None = None  # None: 5 (ngram only)
     speculative_disable_by_batch_size: int | None = None
 
     @property
@@ -146,16 +146,22 @@ class EngineArgs:
         (ValueError for an invalid combination)."""
         from .spec_decode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig  # noqa: PLC0415
 
+        lookup = self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
         if self.speculative_method is None:
-            if self.speculative_model or self.num_speculative_tokens:
-                raise ValueError("speculative_model / num_speculative_tokens need speculative_method "
+            if self.speculative_model or self.num_speculative_tokens is not None or lookup \
+                    or self.speculative_disable_by_batch_size is not None:
+                raise ValueError("speculative_model / num_speculative_tokens / prompt_lookup_min / "
+                                 "prompt_lookup_max / speculative_disable_by_batch_size need speculative_method "
                                  "(ngram, draft or eagle)")
             return None
+        if lookup and self.speculative_method != "ngram":
+            raise ValueError(f"prompt_lookup_min / prompt_lookup_max apply to speculative method ngram only, not "
+                             f"{self.speculative_method}")
         return SpeculativeConfig(
             self.speculative_method,
             DEFAULT_NUM_SPECULATIVE_TOKENS if self.num_speculative_tokens is None else self.num_speculative_tokens,
-            self.speculative_model, self.prompt_lookup_min, self.prompt_lookup_max,
-            self.speculative_disable_by_batch_size)
+            self.speculative_model, 2 if self.prompt_lookup_min is None else self.prompt_lookup_min,
+            5 if self.prompt_lookup_max is None else self.prompt_lookup_max, self.speculative_disable_by_batch_size)
 
     @property
     def lora_enabled(self) -> bool:
@@ -221,7 +227,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         self._check_quantization()
         if self.lora_enabled:
-            self.lora_config()  # refuses max_loras < 1, a rank outside 1..64, too few cpu loras
+            self.lora_config()  # refuses max_loras < 1, a rank outside 1..64, too few cpu loras, no lora_dir
+        elif self.lora_dir is not None:
+            raise ValueError("lora_dir applies to LoRA serving: add enable_lora (or lora_modules)")
         self.kernel_options()  # refuses a w4a16_dequant_min_m below 1
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive (seconds), got {self.grammar_compile_timeout}")

@@ -107,10 +107,14 @@ def parse_dataset_file(src: str | None) -> tuple[HubRef, str] | None:
     for anything that does not start with ``hf://datasets/`` (a local file).
 
     Raises:
-        HubError: reason DatasetNotFound for a reference without ``org/name`` or without a file path.
+        HubError: reason DatasetNotFound for a reference without ``org/name`` or without a file
+            path, or an ``hf://`` reference outside ``hf://datasets/``.
     """
     s = str(src or "").strip()
     if not s.startswith(HF_SCHEME + DATASETS_PREFIX):
+        if s.startswith(HF_SCHEME):
+            raise HubError("DatasetNotFound", f"{src!r}: Hub calibration data is a file of a dataset repository: "
+                                              f"hf://datasets/org/name[@revision]/path/in/repo")
         return None
     parts = s[len(HF_SCHEME + DATASETS_PREFIX):].split("/")
     repo, _, rev = "/".join(parts[:2]).partition("@")

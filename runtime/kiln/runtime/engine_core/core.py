@@ -103,6 +103,8 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, stat_logger: StatLogger | None = None, loaded: LoadedModel | None = None):
         t0 = time.perf_counter()
+        if args.speculative is not None:
+            args.speculative.check_sources()  # before the target's load
         lm = loaded or load_model(args)
         self.loaded = lm
         self.args = args = lm.args

@@ -70,6 +70,8 @@ class LoRAConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.root is not None and not Path(self.root).is_dir():  # adapters may be fetched into it later
+            log.warning("--lora-dir %s does not exist (yet): adapters load from it once they are there", self.root)
 
 
 @dataclass

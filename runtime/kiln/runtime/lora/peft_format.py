@@ -113,8 +113,8 @@ def _check_config(conf: dict, folder: Path, max_rank: int) -> tuple[int, float]:
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise LoRAError(f"{folder}: r must be a positive integer, got {r!r}")
     if r > max_rank:
-        raise LoRAError(f"{folder}: rank {r} is larger than --max-lora-rank {max_rank}; start the server with "
-                        f"--max-lora-rank {r} or more (at most 64)", "RankTooLarge")
+        raise LoRAError(f"{folder}: rank {r} is larger than --max-lora-rank {max_rank}; raise "
+                        f"--max-lora-rank to {r} or more (at most 64)", "RankTooLarge")
     alpha = conf.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise LoRAError(f"{folder}: lora_alpha must be a number, got {alpha!r}")
@@ -134,7 +134,7 @@ def _check_rank(folder: Path, name: str, shape: tuple, want: tuple, ab: str, r: 
     got = shape[rank_dim]
     if got > max_rank:
         raise LoRAError(f"{folder}: {name} has rank {got} (shape {shape}), larger than --max-lora-rank {max_rank}; "
-                        f"start the server with --max-lora-rank {got} or more", "RankTooLarge")
+                        f"raise --max-lora-rank to {got} or more", "RankTooLarge")
     raise LoRAError(f"{folder}: {name} has rank {got} (shape {shape}) but {CONFIG_FILE} says r={r}: the adapter's "
                     "config and weights do not belong together")
 

@@ -4,6 +4,7 @@ model, the n-gram window and the batch size above which speculation is switched 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 #: ``ngram``: prompt lookup (no model); ``draft``: a smaller model (or a quantized engine
 #: of the target) sharing the target's tokenizer; ``eagle``: an EAGLE or EAGLE-3 head
@@ -66,6 +67,13 @@ class SpeculativeConfig:
         if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative method {self.method} needs speculative_model (the "
                              f"{'draft model' if self.method == 'draft' else 'EAGLE head checkpoint'})")
+
+    def check_sources(self) -> None:
+        """Before the target loads (the draft or head is read after it): an EAGLE head's
+        folder must hold its config (ValueError otherwise)."""
+        if self.method == "eagle" and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"speculative_model {self.model}: an EAGLE head is a folder with config.json and its "
+                             "weights (safetensors or pytorch_model.bin)")
 
     @property
     def max_batch_size(self) -> int:

@@ -71,7 +71,10 @@ class EagleProposer(DraftModelProposer):
         if not (folder / "config.json").is_file():
             raise ValueError(f"speculative model {config.model}: an EAGLE head is a folder with config.json and "
                              "its weights (safetensors or pytorch_model.bin)")
-        cfg, raw = read_head_config(folder)
+        try:
+            cfg, raw = read_head_config(folder)
+        except ValueError as e:
+            raise ValueError(f"speculative model {config.model}: the EAGLE head's {e}") from None
         weights = _read_tensors(folder)
         kind = eagle_kind(weights)
         tcfg = target.model_config
