@@ -122,3 +122,51 @@ def test_cli_parser_names_are_the_parsers():
     assert set(action.choices) == set(PARSERS)
     assert serve.parse_args(["--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
 
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral"])
+@pytest.mark.parametrize("num_complete", [0, 1])
+def test_cut_inside_a_call_marker_is_not_content(name, num_complete):
+    """max_tokens ending inside the next call's start marker (``\\n<tool_call``, ``[TOOL_CA``):
+    the marker's start is not returned as content, whole or streamed."""
+    p = get_parser(name)
+    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}[name]
+    prefix = "Let me check. "
+    calls = p.render_calls(CALLS[:num_complete]) if num_complete else ""
+    if name == "mistral" and num_complete:
+        return  # mistral's calls share one marker: a second marker never follows
+    for k in range(1, len(marker)):
+        text = prefix + calls + ("\n" if calls else "") + marker[:k]
+        got = p.parse(text, final=True, cut=True)
+        assert got.content.strip() == prefix.strip(), (k, got)
+        assert [c.name for c in got.calls] == ["get_weather"][:num_complete]
+        st = ToolCallStream(p)
+        content = "".join(st.feed(text[i:i + 3])[0] for i in range(0, len(text), 3)) + st.feed("", True, True)[0]
+        assert content.strip() == prefix.strip(), (k, content)
+        assert p.parse(prefix + marker[:k], final=True).content == prefix + marker[:k]  # not cut: text
+
+
+def test_a_repeat_in_the_last_output_is_cut_too():
+    """A repeated call completed in the step that ends the choice (EOS after it) is cut as
+    one completed earlier: the client never gets the same call twice."""
+    import asyncio
+
+    from kiln.runtime.outputs import CompletionOutput, RequestOutput
+    from kiln.runtime.server.tool_calling import stop_repeated_calls
+
+    p = get_parser("hermes")
+    once = p.render_calls(CALLS[:1])
+    text = once + "\n" + once
+
+    async def gen():
+        yield RequestOutput("r", None, [], [CompletionOutput(0, once[:10], [], delta_text=once[:10])])
+        yield RequestOutput("r", None, [], [CompletionOutput(0, text, [], finish_reason="stop",
+                                                             delta_text=text[10:])], finished=True)
+
+    async def run():
+        return [o async for o in stop_repeated_calls(gen(), p, 1)]
+
+    outs = asyncio.run(run())
+    last = outs[-1].outputs[0]
+    assert last.finish_reason == "stop" and len(p.parse(last.text, final=True).calls) == 1
+    assert outs[0].outputs[0].delta_text + last.delta_text == last.text

@@ -167,7 +167,8 @@ async def stop_repeated_calls(gen: AsyncIterator[RequestOutput], parser: ToolPar
                 if c.index in cut:  # already ended here: nothing new
                     c = replace(c, text=cut[c.index], delta_text="", delta_token_ids=[], delta_logprobs=[],
                                 finish_reason="stop", stop_reason=None)
-                elif c.finish_reason is None and ("}" in c.delta_text or ">" in c.delta_text):
+                elif c.finish_reason in (None, "stop", "length") and ("}" in c.delta_text or ">" in c.delta_text):
+                    # (also on the last output: the repeat may end in the step that stops)
                     pos = repeat_cut(parser, c.text)
                     if pos is not None:
                         before = len(c.text) - len(c.delta_text)

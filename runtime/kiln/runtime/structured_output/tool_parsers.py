@@ -148,8 +148,8 @@ class HermesToolParser(ToolParser):
 
     def parse(self, text: str, final: bool, cut: bool = False) -> Parsed:
         i = text.find(self.BEGIN)
-        if i < 0:
-            hold = 0 if final else _partial_suffix(text, self.BEGIN)
+        if i < 0:  # a cut output drops the start of a call marker it ends in, as a stream holds it
+            hold = _partial_suffix(text, self.BEGIN) if cut or not final else 0
             return Parsed(text[: len(text) - hold], [])
         calls = []
         last = i
@@ -169,6 +169,8 @@ class HermesToolParser(ToolParser):
                     rest = tail = ""
                 elif cut:  # the call max_tokens cut short
                     return Parsed(text[:i], calls, False)
+            elif cut and rest and self.BEGIN.startswith(rest):  # cut inside the next call's start tag
+                return Parsed(text[:i], calls, False)
             if not calls:
                 return Parsed(text, [], False)
             if rest:  # text after the calls that is not a call: the calls stay, the rest is text
@@ -236,8 +238,8 @@ class MistralToolParser(ToolParser):
 
     def parse(self, text: str, final: bool, cut: bool = False) -> Parsed:
         i = text.find(self.BEGIN)
-        if i < 0:
-            hold = 0 if final else _partial_suffix(text, self.BEGIN)
+        if i < 0:  # a cut output drops the start of a call marker it ends in, as a stream holds it
+            hold = _partial_suffix(text, self.BEGIN) if cut or not final else 0
             return Parsed(text[: len(text) - hold], [])
         j = i + len(self.BEGIN)
         while j < len(text) and text[j].isspace():
