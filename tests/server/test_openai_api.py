@@ -125,6 +125,9 @@ BAD = [
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens must be at least 1"),
     ({"prompt": "hi", "include_stop_str_in_output": True, "stop": "."}, "include_stop_str_in_output: not supported"),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options applies only with stream: true"),
+    ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": "required"}, "tool calling is served on /v1/chat/completions"),
 ]
 
 

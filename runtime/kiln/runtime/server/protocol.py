@@ -141,6 +141,8 @@ class _SamplingFields(BaseModel):
         """Raises ValueError (-> HTTP 400) for out-of-range values and for vLLM extensions this
         server does not implement."""
         self._refuse_unsupported(_UNSUPPORTED_EXTENSIONS)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options applies only with stream: true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -183,6 +185,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+        tooling = sorted({"tools", "tool_choice"} & set(self.model_extra or {}))
+        if tooling:
+            raise ValueError(f"{', '.join(tooling)}: tool calling is served on /v1/chat/completions, not on "
+                             "/v1/completions")
         return self._sampling(self.max_tokens, self.logprobs, default_max_tokens)
 
     def prompts(self) -> list[Union[str, list[int]]]:
