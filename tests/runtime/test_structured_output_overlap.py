@@ -131,6 +131,7 @@ def _run(model: str, **kw):
                 done[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
     filler = eng.core.grammars.manager.filler
     assert filler.num_fills > 0 and filler.fill_seconds > 0
+    assert eng.core.grammars.manager.num_compiles == 3  # the two requests of one schema share a compile
     for i, (_, kind) in enumerate(reqs):
         _, text, reason = done[f"r{i}"]
         if kind is None or reason != "stop":

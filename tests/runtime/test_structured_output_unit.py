@@ -190,3 +190,59 @@ def test_a_grammar_waiting_for_a_busy_compile_thread_fails_at_the_timeout():
         so.wait_any(0.05)
     assert [rid for rid, _ in r] == ["after"]
     so.shutdown()
+
+
+def test_one_compile_per_spec_cached_or_compiling():
+    """The same schema for sequences submitted together (the ``n`` of a request, requests sent
+    at once) compiles once, the later ones waiting for that compile; submitted again later it
+    comes from the cache; another schema compiles; a bad spec fails every sequence asking."""
+    from kiln.runtime.structured_output.manager import StructuredOutputManager
+    from kiln.runtime.structured_output.spec import GrammarSpec
+    from kiln.runtime.synthetic_tokenizer import build_tokenizer
+
+    tok = build_tokenizer(4096, 1, [2])
+    so = StructuredOutputManager(lambda: tok, 4096, [2])
+    # wide enough (~0.1 s to compile) that the second compile thread takes "b" while "a" compiles
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}
+
+    def settle(ids):
+        ready, failed = [], []
+        while len(ready) + len(failed) < len(ids):
+            so.wait_any(0.05)
+            r, f = so.poll()
+            ready += [rid for rid, _ in r]
+            failed += f
+        return sorted(ready), failed
+
+    so.submit("a", GrammarSpec("json", json.dumps(wide)))
+    so.submit("b", GrammarSpec("json", json.dumps(wide)))
+    assert settle("ab") == (["a", "b"], []) and so.num_compiles == 1
+    so.submit("c", GrammarSpec("json", json.dumps(wide)))
+    assert settle("c") == (["c"], []) and so.num_compiles == 1  # a cache hit
+    so.submit("d", GrammarSpec("json", json.dumps({**wide, "required": ["p0"]})))
+    assert settle("d") == (["d"], []) and so.num_compiles == 2
+    so.submit("e", GrammarSpec("regex", "[a-"))
+    so.submit("f", GrammarSpec("regex", "[a-"))
+    ready, failed = settle("ef")
+    assert ready == [] and sorted(rid for rid, _ in failed) == ["e", "f"], failed
+    assert failed[0][1] == failed[1][1] and "invalid regex" in failed[0][1]
+    assert all(so.has_grammar(r) for r in "abcd") and so.num_compiles == 2
+    so.shutdown()
+
+
+def test_earlier_calls_are_written_when_no_tools_are_shown():
+    """``tool_choice: none`` (no plan) with a template that does not read ``tools``: an earlier
+    assistant call is written into its turn in the served format, not dropped, and no
+    tools are described."""
+    from kiln.runtime.server.tool_calling import prepare_conversation
+    from kiln.runtime.structured_output.tool_parsers import get_parser
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conv = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21"}]
+    for name in ("hermes", "llama3_json", "mistral"):
+        parser = get_parser(name)
+        out, tools = prepare_conversation(conv, None, False, parser)
+        assert tools is None and [m["role"] for m in out] == ["user", "assistant", "tool"]
+        assert out[1]["content"] == parser.render_calls([call]) and '"Paris"' in out[1]["content"]

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from ..errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from .http_utils import SSE_DONE, ClientGoneError, chat_logprobs, error_body, json_response, sse
-from ..structured_output.tool_parsers import ToolCallStream
+from ..structured_output.tool_parsers import ToolCallStream, get_parser
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
                        ChatStreamChoice, ChatToolCallsMessageOut, ChatUsageChunk, usage_of)
 from .serving import ServerLimits, ServingBase, collect
@@ -39,7 +39,8 @@ class OpenAIServingChat(ServingBase):
         plan = await self.llm.run_tokenizer(plan_tools, req, self.tool_call_parser)
         tools = None
         if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in conv):
-            conv, tools = prepare_conversation(conv, plan, self.llm.input.template_supports_tools)
+            conv, tools = prepare_conversation(conv, plan, self.llm.input.template_supports_tools,
+                                               get_parser(self.tool_call_parser))
         if plan is not None and plan.grammar() is not None:
             params.structured_outputs = plan.grammar()
         self.check_sequences(1, params.n)

@@ -124,17 +124,18 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
     return ToolPlan(parser, fns, choice, named, req.parallel_tool_calls)
 
 
-def prepare_conversation(conv: list[dict[str, Any]], plan: ToolPlan | None,
-                         template_has_tools: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def prepare_conversation(conv: list[dict[str, Any]], plan: ToolPlan | None, template_has_tools: bool,
+                         parser: ToolParser | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and the ``tools`` argument for the chat template.
 
     A template that reads ``tools`` gets them as OpenAI's definitions.  For one that does
-    not, the tools are described in the system turn in the parser's format, and earlier
-    assistant calls are written into their turn's text in that format.
+    not, the tools are described in the system turn in the plan's format, and earlier
+    assistant calls are written into their turn's text in that format; without a plan (no
+    tools shown: ``tool_choice`` "none") in ``parser``'s, the served format.
     """
     if template_has_tools:
         return conv, ([{"type": "function", "function": f} for f in plan.functions] if plan else None)
-    parser = plan.parser if plan else None
+    parser = plan.parser if plan else parser
     out = []
     for m in conv:
         if m.get("tool_calls") and parser is not None:

@@ -54,12 +54,16 @@ class GrammarCompilerCache:
         # xgrammar's own cache is off: this class's LRU is the one place compiled grammars live.
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
+        # specs compiling now: a second caller of one waits for that compile (the ``n``
+        # sequences of one request, or requests sent together, share one compile)
+        self._compiling: dict[GrammarSpec, Future] = {}
         self._lock = threading.Lock()
         self.cache_size = cache_size
         self.num_compiles = 0
 
     def get(self, spec: GrammarSpec):
-        """The compiled grammar of ``spec``, compiled now when not cached.
+        """The compiled grammar of ``spec``: from the cache, from the compile of it already
+        running on another thread, or compiled now.
 
         Raises:
             ValueError: the spec does not compile (xgrammar's message).
@@ -69,13 +73,26 @@ class GrammarCompilerCache:
             if cg is not None:
                 self._cache.move_to_end(spec)
                 return cg
-        cg = self._compiler.compile_grammar(build_grammar(spec))
+            running = self._compiling.get(spec)
+            if running is None:
+                mine = self._compiling[spec] = Future()
+        if running is not None:
+            return running.result()
+        try:
+            cg = self._compiler.compile_grammar(build_grammar(spec))
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[spec]
+            mine.set_exception(e)
+            raise
         with self._lock:
+            del self._compiling[spec]
             self.num_compiles += 1
             self._cache[spec] = cg
             self._cache.move_to_end(spec)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        mine.set_result(cg)
         return cg
 
     def cached(self, spec: GrammarSpec) -> bool:
@@ -122,6 +139,12 @@ class AsyncGrammarCompiler:
         list that gets the monotonic times its compile started and ended."""
         started: list[float] = []
         return self._pool.submit(self._compile, spec, started), started
+
+    @property
+    def num_compiles(self) -> int:
+        """Grammars compiled so far (a spec found in the cache or compiling already is not
+        compiled again)."""
+        return self._cache.num_compiles if self._cache is not None else 0
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

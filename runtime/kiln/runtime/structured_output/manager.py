@@ -162,6 +162,11 @@ class StructuredOutputManager:
     def num_states(self) -> int:
         return len(self._states)
 
+    @property
+    def num_compiles(self) -> int:
+        """Grammars compiled so far; specs met again come from the compile cache."""
+        return self._compiler.num_compiles
+
     def shutdown(self) -> None:
         self._compiler.shutdown()
         if self._filler is not None:
