@@ -222,11 +222,24 @@ def _dequantized_peer(llm):
     return hf.eval()
 
 
+def _save_random_adapter(hf, targets: list[str], seed: int, folder):
+    """A rank-8 peft adapter with random A and B (scaled up so it changes greedy outputs) on
+    ``hf``'s ``targets``, saved to ``folder``; returns the ``PeftModel``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=32, target_modules=targets,
+                                                      init_lora_weights=False, lora_dropout=0.0))
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data.mul_(4.0)
+    pm.eval().save_pretrained(str(folder))
+    return pm
+
+
 def test_int4_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
     """LoRA on int4 linears (round-to-nearest groups of 128): Kiln's greedy outputs equal
     peft's on a float model holding the dequantized base (the delta adds to the int4 output)."""
-    from peft import LoraConfig, get_peft_model
-
     from kiln.runtime import LLM, SamplingParams
 
     d = tmp_path / "base"
@@ -238,14 +251,7 @@ def test_int4_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
               max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8)
     assert type(llm.engine.lora.methods[(0, "qkv_proj")][1].base).__name__ == "Int4LinearMethod"
     hf = _dequantized_peer(llm)
-    torch.manual_seed(3)
-    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj",
-                                                                                          "gate_proj", "down_proj"],
-                                                      init_lora_weights=False, lora_dropout=0.0))
-    for n, p in pm.named_parameters():
-        if "lora_" in n:
-            p.data.mul_(4.0)
-    pm.eval().save_pretrained(str(tmp_path / "ad"))
+    pm = _save_random_adapter(hf, ["q_proj", "v_proj", "gate_proj", "down_proj"], seed=3, folder=tmp_path / "ad")
     llm.add_lora("ad", str(tmp_path / "ad"))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 19, 44)]
@@ -281,7 +287,6 @@ def test_fp8_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
     per-token E4M3 activations): Kiln's greedy outputs in a batch mixing the adapter and the
     base equal peft's on a float model holding the dequantized base whose projections round
     their input per token to E4M3 as Kiln's do (the delta adds to the FP8 output)."""
-    from peft import LoraConfig, get_peft_model
 
     from kiln.runtime import LLM, SamplingParams
 
@@ -296,15 +301,7 @@ def test_fp8_base_with_lora_equals_peft_on_dequantized_base(tmp_path):
     assert type(method.base).__name__ == "Fp8LinearMethod" and lin.weight.dtype == torch.float8_e4m3fn
     hf = _dequantized_peer(llm)
     _round_inputs_to_fp8(hf)
-    torch.manual_seed(4)
-    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "k_proj",
-                                                                                          "o_proj", "up_proj",
-                                                                                          "down_proj"],
-                                                      init_lora_weights=False, lora_dropout=0.0))
-    for n, p in pm.named_parameters():
-        if "lora_" in n:
-            p.data.mul_(4.0)
-    pm.eval().save_pretrained(str(tmp_path / "ad"))
+    pm = _save_random_adapter(hf, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"], seed=4, folder=tmp_path / "ad")
     llm.add_lora("ad", str(tmp_path / "ad"))
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 33, 17, 41)]
