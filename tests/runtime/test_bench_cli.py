@@ -118,7 +118,7 @@ def test_bad_flags_are_one_error_and_exit_2(args, message, capsys):
     (["serve", "--url", "http://127.0.0.1:1", "--load-format", "dummy"], "configure the server started here"),
     (["serve", "--engine", "e", "--load-format", "dummy"], "--load-format dummy applies to a --model"),
     (["serve", "--url", "http://127.0.0.1:1", "--json", "/proc/x.json"], "cannot write --json /proc/x.json"),
-    (["offline", "--model", "m", "--quantization", "fp8"], "applies only to random weights (load_format dummy)"),
+    (["offline", "--model", "m", "--quantization", "fp8"], "applies only to random weights (--load-format dummy)"),
     (["offline", "--load-format", "dummy", "--quantization", "fp8", "--peer", "transformers"],
      "cannot be compared with --quantization fp8"),
 ])

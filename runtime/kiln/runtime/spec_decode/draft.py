@@ -41,6 +41,7 @@ def draft_engine_args(target_args, source: str):
     return replace(target_args, model=None if is_engine else source, engine=source if is_engine else None,
                    enable_lora=False, lora_modules={}, lora_modules_file=None,
                    speculative_method=None, num_speculative_tokens=None, speculative_model=None,
+                   prompt_lookup_min=None, prompt_lookup_max=None, speculative_disable_by_batch_size=None,
                    max_num_seqs=drafting, max_num_batched_tokens=None,
                    load_format="auto" if is_engine else target_args.load_format,
                    quantization="none" if is_engine else target_args.quantization)
