@@ -222,7 +222,9 @@ def baseline():
 def _spec_llm(**kw):
     from kiln.runtime import LLM
 
-    base = dict(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=64, max_num_batched_tokens=128)
+    # a fixed switch-off size: every step drafts (the measured switch-off has its own tests)
+    base = dict(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=64, max_num_batched_tokens=128,
+                speculative_disable_by_batch_size=8)
     base.update(kw)
     return LLM(**base)
 
@@ -243,6 +245,38 @@ def test_ngram_greedy_parity_one_by_one_batched_and_preempted(baseline):
     assert small.engine.scheduler.num_preemptions_total > 0
     assert [o.outputs[0].token_ids for o in outs] == baseline
     assert small.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_measured_switch_off_alternating_modes_keeps_parity_seeds_and_frees_blocks(baseline, monkeypatch):
+    """The default switch-off (no ``speculative_disable_by_batch_size``) compares measured
+    rates; with probes after every step (``PROBE_SHARE`` 1, one step between probes) the
+    engine alternates between steps with and without drafts at one batch size, asynchronous
+    scheduling on.  Greedy outputs equal decoding without drafts, batched and one by one; a
+    seeded sampled request gives the same tokens twice (its drafts do not depend on the
+    timing); every KV block is freed; ``kiln bench``'s summary reports both measured rates."""
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.bench import spec_summary
+    from kiln.runtime.spec_decode import switch_off
+
+    monkeypatch.setattr(switch_off, "PROBE_SHARE", 1.0)
+    monkeypatch.setattr(switch_off, "MIN_STEPS_BETWEEN_PROBES", 1)
+    monkeypatch.setattr(switch_off, "PROBE_STEPS", 2)
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
+    llm = _spec_llm(speculative_disable_by_batch_size=None, async_scheduling=True)
+    spec = llm.engine.core.spec
+    assert spec.switch_off.adaptive and llm.engine.async_scheduling
+    assert [o.outputs[0].token_ids for o in llm.generate(COPY_PROMPTS, sp)] == baseline
+    for prompt, want in zip(COPY_PROMPTS, baseline):
+        assert llm.generate([prompt], sp)[0].outputs[0].token_ids == want
+    assert spec.num_spec_steps > 0 and spec.num_disabled_steps > 0
+    rates = spec_summary(llm)["spec_switch_off_rates"]
+    assert rates["1-1"]["speculative"] > 0 and rates["1-1"]["plain"] > 0
+    assert rates["3-4"]["speculative"] > 0 and rates["3-4"]["plain"] > 0
+    seeded = SamplingParams(temperature=0.8, max_tokens=20, seed=11)
+    first = llm.generate([COPY_PROMPTS[0]] * 2, seeded)
+    again = llm.generate([COPY_PROMPTS[0]] * 2, seeded)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle", "eagle3"])

@@ -97,6 +97,8 @@ def base(tiny):
 
 def _llm(tiny: str, **kw) -> LLM:
     args = dict(num_kv_blocks=128, max_num_batched_tokens=256, async_scheduling=True)
+    if "speculative_method" in kw:  # a fixed switch-off size: every step drafts
+        args["speculative_disable_by_batch_size"] = 8
     args.update(kw)
     return LLM(model=tiny, **args)
 
@@ -186,7 +188,8 @@ def test_switch_off_above_the_batch_threshold_keeps_greedy_parity_and_catches_up
         assert spec.stats.acceptance_rate == 1.0
     assert eng.scheduler.kv_cache_manager.num_used_blocks == 0
     if method == "eagle":
-        ref = _Driver(_llm(tiny, enable_prefix_caching=False, **kw))  # drafts at every step
+        # drafts at every step: a fixed size, so the measured switch-off cannot turn them off
+        ref = _Driver(_llm(tiny, enable_prefix_caching=False, speculative_disable_by_batch_size=8, **kw))
         ref.add(PROMPTS[:2], PARAMS[:2])
         last = {}
         while ref.eng.has_unfinished_requests():

@@ -73,7 +73,8 @@ def test_verify_graph_outputs_equal_plain_decoding(baseline, case):
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
         del plain
         torch.cuda.empty_cache()
-    llm = LLM(**MODEL, speculative_method="draft", num_speculative_tokens=4, speculative_model="builtin:llama-3.2-1b")
+    llm = LLM(**MODEL, speculative_method="draft", num_speculative_tokens=4, speculative_model="builtin:llama-3.2-1b",
+              speculative_disable_by_batch_size=8)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.verify_graphs, "no verify graphs captured"
     assert graphs.verify_len == 5

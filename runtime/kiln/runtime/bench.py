@@ -62,7 +62,8 @@ def spec_summary(llm) -> dict:
     method and draft length."""
     spec = llm.engine.core.spec
     return {"spec_method": spec.config.method, "spec_k": spec.config.num_speculative_tokens,
-            "spec_max_batch_size": spec.config.max_batch_size, **spec.stats.as_dict()}
+            "spec_max_batch_size": spec.config.max_batch_size, "spec_adaptive": spec.switch_off.adaptive,
+            "spec_switch_off_rates": spec.switch_off.rates(), **spec.stats.as_dict()}
 
 
 def _sync(llm) -> None:
@@ -174,6 +175,11 @@ def cmd_offline(ns: argparse.Namespace) -> int:
         print(f"speculative {r['spec_method']} k={r['spec_k']} (off above {r['spec_max_batch_size']} sequences): "
               f"acceptance {r['spec_acceptance_rate']:.3f}, mean accepted length {r['spec_mean_accepted_length']:.2f} "
               f"tokens, per position [{per_pos}], {r['spec_draft_tokens']} drafts proposed")
+        if r.get("spec_adaptive"):
+            fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+            rates = ", ".join(f"{b}: {fmt(v['speculative'])} vs {fmt(v['plain'])}"
+                              for b, v in r["spec_switch_off_rates"].items())
+            print(f"measured switch-off, output tok/s with vs without drafts per batch size: {rates or 'none yet'}")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(ns).items() if k not in ("func", "workload_defaults")},

@@ -78,8 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
                       help="ngram: longest suffix matched (tokens; default: 5)")
     spec.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="SEQS",
-                      help="decode without drafts while more sequences than this run (default: measured per "
-                           "method, see docs/benchmarks.md)")
+                      help="draft at every step with up to this many sequences, none above (default: up to 8 "
+                           "sequences, where drafts are measured to pay; see README, Speculative decoding)")
     kern = p.add_argument_group("kernels (CUDA)")
     kern.add_argument("--no-pdl", action="store_true",
                       help="launch kernels without programmatic dependent launch (A/B runs, profiles)")

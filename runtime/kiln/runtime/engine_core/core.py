@@ -262,11 +262,21 @@ class EngineCore:
         With asynchronous scheduling this plans and launches step N, then reads back step
         N-1 while step N runs on the device; the outputs returned are step N-1's.
         """
+        outputs = self._step()
+        if self.spec is not None and not self.scheduler.num_running and self._in_flight is None:
+            self.spec.switch_off.end()  # out of work: the time until the next request is idle
+        return outputs
+
+    def _step(self) -> list[CoreOutput]:  # one step of ``step``
+        start = time.monotonic()
         self.runner.launch_deferred(if_ready=True)  # step N-1's sampler, if its grammar mask is done
         self._admit_compiled()
         outputs: list[CoreOutput] = []
-        if self.spec is not None and self.spec.active(self.scheduler.num_running):
-            return outputs + self._spec_step()
+        if self.spec is not None:
+            num_running = self.scheduler.num_running
+            if self.spec.active(num_running, self.scheduler.running, self._params_of):
+                return outputs + self._spec_step(num_running)
+            self.spec.switch_off.begin(False, num_running, start)
         if not self.async_scheduling:
             out = self.scheduler.schedule()
             self._report_gauges(out)
@@ -300,12 +310,14 @@ class EngineCore:
         seq = self._seqs.get(request_id)
         return seq.params if seq is not None else None
 
-    def _spec_step(self) -> list[CoreOutput]:
+    def _spec_step(self, num_running: int) -> list[CoreOutput]:
         """One synchronous step with drafts (speculative decoding): read back the step in
         flight, propose, plan, fill model drafts, verify."""
         outputs = self._drain() if self._in_flight is not None else []
+        start = time.monotonic()  # the read-back belonged to the plain steps
         self.spec.plan(self.scheduler.running, self._params_of)
         out = self.scheduler.schedule(async_step=False)
+        self.spec.on_planned(out, num_running, start)
         self._report_gauges(out)
         for rid in out.preempted_request_ids:
             self.spec.free(rid)
@@ -323,7 +335,10 @@ class EngineCore:
         return self._process(out, pending.result())
 
     def _report_gauges(self, out: SchedulerOutput) -> None:
-        """Gauges right after planning, so they show a long prefill while it runs."""
+        """Gauges right after planning, so they show a long prefill while it runs (and the
+        speculation switch-off leaves a step with a prefill chunk unmeasured)."""
+        if self.spec is not None:
+            self.spec.on_planned(out)
         if self.stat_logger is None:
             return
         # prompt tokens computed this step (prefill chunks; a decode computes a generated
@@ -396,6 +411,8 @@ class EngineCore:
                 continue
             num_gen += 1
             outputs.append(self._on_token(seq, tok, res.logprobs.get(rid), now))
+        if self.spec is not None:
+            self.spec.switch_off.add_tokens(num_gen)
         if self.stat_logger is not None and num_gen:
             sched = self.scheduler
             kv = sched.kv_cache_manager

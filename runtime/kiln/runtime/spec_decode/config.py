@@ -14,10 +14,11 @@ SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 #: Drafts per step when ``num_speculative_tokens`` is not given (tokens).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 #: Running sequences above which the engine decodes without speculation, per method, when
-#: ``disable_by_batch_size`` is not given.  Measured with ``kiln bench offline
-#: --speculative-method ...`` at batch 1..64 (docs/benchmarks.md, "Speculative decoding");
-#: a batched step is bound by compute sooner than by reading the weights, and verifying
-#: ``k`` drafts per sequence then costs more than it saves.
+#: ``disable_by_batch_size`` is not given; at or below it the engine drafts where it measures
+#: that drafts pay (``switch_off.SwitchOff``).  On an H100 no method paid above 2 sequences
+#: (docs/benchmarks.md, "Speculative decoding"): a batched step is bound by compute sooner
+#: than by reading the weights, and verifying ``k`` drafts per sequence then costs more than
+#: it saves.  The verify step's CUDA graphs and a draft model's KV pool are sized by it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 8, "draft": 8, "eagle": 8}
 
 
@@ -34,7 +35,9 @@ class SpeculativeConfig:
         prompt_lookup_min / prompt_lookup_max: n-gram window (tokens): the longest suffix of
             the sequence, ``max`` down to ``min`` tokens, that occurred before proposes the
             tokens that followed it (vLLM's names).
-        disable_by_batch_size: running sequences above which no drafts are proposed.
+        disable_by_batch_size: running sequences above which no drafts are proposed; given,
+            every step at or below it drafts (None: up to the method's default, where measured
+            to pay).
 
     Raises:
         ValueError: in ``__post_init__`` for an unknown method, an out-of-range count, a

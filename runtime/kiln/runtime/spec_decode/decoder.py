@@ -1,7 +1,9 @@
 """The engine core's side of speculative decoding: which sequences get drafts, from which
 proposer, and what the verification did (counts for ``/metrics`` and ``kiln bench``).
 
-Per step, while at most ``SpeculativeConfig.max_batch_size`` sequences run:
+Per step, while at most ``SpeculativeConfig.max_batch_size`` sequences run and speculation
+pays at this batch size (``switch_off.SwitchOff``: output tokens per second with and without
+drafts, measured as the engine runs):
 
 1. ``plan``: before scheduling, each decoding sequence that may speculate gets
    ``request.spec_token_ids``: the n-gram proposer's drafts, or placeholders for a
@@ -28,6 +30,7 @@ from ..core.sched_output import SchedulerOutput
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 from .stats import SpecDecodeStats
+from .switch_off import SwitchOff
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,12 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.stats = SpecDecodeStats()
-        # steps run with speculation on / off because the batch was too large (counts)
+        # below max_batch_size: measured unless the user fixed the size
+        self.switch_off = SwitchOff(config.max_batch_size, adaptive=config.disable_by_batch_size is None)
+        # steps run with speculation on / off (the batch too large, or drafts not paying) (counts)
         self.num_spec_steps = 0
         self.num_disabled_steps = 0
+        self.seeded_only = False  # this step drafts for the seeded sampled sequences only
 
     @classmethod
     def create(cls, config: SpeculativeConfig, loaded) -> "SpecDecoder":
@@ -68,12 +74,38 @@ class SpecDecoder:
 
         return cls(config, EagleProposer.load(config, loaded))
 
-    def active(self, num_running: int) -> bool:
-        """Whether this step speculates: at most ``max_batch_size`` running sequences."""
-        on = 0 < num_running <= self.config.max_batch_size
+    def active(self, num_running: int, running: list[Request] = (), params_of=None) -> bool:
+        """Whether this step speculates: at most ``max_batch_size`` running sequences and,
+        unless ``disable_by_batch_size`` was given, drafts measured to pay at this batch size.
+
+        Where the measured rule says no, a step still speculates for the seeded sampled
+        sequences among ``running`` (``params_of(request_id)``: their SamplingParams), and only
+        for those (``seeded_only``): rejection sampling draws other random numbers than plain
+        sampling, and a seed must give the same tokens whatever the timing of the steps."""
+        on = self.switch_off.decide(num_running)
+        self.seeded_only = False
+        if not on and 0 < num_running <= self.config.max_batch_size and params_of is not None \
+                and any(self._seeded_sampling(params_of(r.request_id)) for r in running):
+            on = self.seeded_only = True
         if not on and num_running:
             self.num_disabled_steps += 1
         return on
+
+    def on_planned(self, out: SchedulerOutput, num_running: int = 0, start: float | None = None) -> None:
+        """Meter a planned step: a step with drafts (``start``: when its interval began, after
+        reading back the step in flight) is a sample of the speculative mode unless it drafts
+        nothing (prefill only, no n-gram match) or only for the seeded sequences; a step with a
+        prefill chunk is a sample of neither mode."""
+        prefill = any(not sr.is_decode for sr in out.scheduled)
+        if start is not None:
+            metered = out.num_spec_tokens and not self.seeded_only and not prefill
+            self.switch_off.begin(True, num_running if metered else 0, start)
+        elif prefill:
+            self.switch_off.discard()
+
+    @staticmethod
+    def _seeded_sampling(params) -> bool:
+        return params is not None and params.seed is not None and not params.greedy
 
     @staticmethod
     def eligible(req: Request, params) -> bool:
@@ -91,7 +123,8 @@ class SpecDecoder:
         total = 0
         for req in running:
             params = params_of(req.request_id)
-            if params is None or not self.eligible(req, params):
+            if params is None or not self.eligible(req, params) \
+                    or (self.seeded_only and not self._seeded_sampling(params)):
                 req.spec_token_ids = []
                 continue
             kk = min(k, req.max_tokens - req.num_output_tokens - 1)
