@@ -62,7 +62,7 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} is larger than prompt_lookup_max "
                              f"{self.prompt_lookup_max}")
-        if self.disable_by_batch_size is not None and (isinstance(self.disable_by_batch_size, bool)
+        if self.disable_by_batch_size is not None and (type(self.disable_by_batch_size) is not int
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"speculative_disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
         if self.method == "ngram" and self.model:
