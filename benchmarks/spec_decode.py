@@ -34,16 +34,21 @@ def _free(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(llm, wl_by_batch: dict, reps: int = 2) -> tuple[dict, dict]:
+def measure(llm, wl_by_batch: dict, reps: int = 2) -> tuple[dict, dict, dict]:
     """``run_kiln_offline`` per batch size with the engine's speculation removed (plain
-    decoding) and on, interleaved ``reps`` times; the best run of each (a shared machine's
-    noise only ever slows a run down).  Returns ``(off, on)`` by batch size."""
+    decoding), on at every step (a fixed switch-off size), and with the default measured
+    switch-off (``spec_decode.switch_off``, one instance kept across runs as in a server),
+    interleaved ``reps`` times; the best run of each (a shared machine's noise only ever slows
+    a run down).  Returns ``(off, on, auto)`` by batch size."""
     from kiln.runtime.bench import run_kiln_offline
+    from kiln.runtime.spec_decode.switch_off import SwitchOff
 
     core = llm.engine.core
     runner = llm.engine.runner
     spec, sink = core.spec, runner.hidden_sink
-    off, on = {}, {}
+    fixed = spec.switch_off
+    auto_policy = SwitchOff(spec.config.max_batch_size, adaptive=True)
+    off, on, auto = {}, {}, {}
     try:
         for _ in range(reps):
             for b, wl in wl_by_batch.items():
@@ -51,11 +56,13 @@ def measure(llm, wl_by_batch: dict, reps: int = 2) -> tuple[dict, dict]:
                 r = run_kiln_offline(llm, wl)
                 off[b] = max(off.get(b, r), r, key=lambda x: x["output_tok_s"])
                 core.spec, runner.hidden_sink = spec, sink
-                r = run_kiln_offline(llm, wl)
-                on[b] = max(on.get(b, r), r, key=lambda x: x["output_tok_s"])
+                for policy, best in ((fixed, on), (auto_policy, auto)):
+                    spec.switch_off = policy
+                    r = run_kiln_offline(llm, wl)
+                    best[b] = max(best.get(b, r), r, key=lambda x: x["output_tok_s"])
     finally:
-        core.spec, runner.hidden_sink = spec, sink
-    return off, on
+        core.spec, runner.hidden_sink, spec.switch_off = spec, sink, fixed
+    return off, on, auto
 
 
 def main() -> int:
@@ -107,24 +114,29 @@ def main() -> int:
         llm = LLM(**kw)
         print(f"[spec] {label}: {method} engine loaded in {time.perf_counter() - t0:.0f}s", flush=True)
         wls = {b: make_copy_workload(llm.tokenizer, b, ns.input_len, ns.output_len, seed=b) for b in batches}
-        baseline, spec = measure(llm, wls, ns.reps)
+        baseline, spec, measured = measure(llm, wls, ns.reps)
         for b in batches:
             off, on = baseline[b], spec[b]
             rows.append({"model": label, "method": method, "batch": b, "off_tok_s": off["output_tok_s"],
                          "spec_tok_s": on["output_tok_s"], "speedup": on["output_tok_s"] / off["output_tok_s"],
+                         "auto_tok_s": measured[b]["output_tok_s"],
+                         "auto_speedup": measured[b]["output_tok_s"] / off["output_tok_s"],
+                         "auto_rates": measured[b].get("spec_switch_off_rates"),
                          "acceptance": on.get("spec_acceptance_rate"),
                          "mean_accepted_length": on.get("spec_mean_accepted_length"),
                          "acceptance_per_position": on.get("spec_acceptance_per_position")})
             r = rows[-1]
             print(f"[spec] {label} {method:5s} batch {b:3d}: off {r['off_tok_s']:8.1f} tok/s, spec "
                   f"{r['spec_tok_s']:8.1f} tok/s, speedup {r['speedup']:.2f}x, acceptance {r['acceptance']:.3f}, "
-                  f"mean accepted length {r['mean_accepted_length']:.2f}", flush=True)
+                  f"mean accepted length {r['mean_accepted_length']:.2f}; measured switch-off "
+                  f"{r['auto_tok_s']:8.1f} tok/s ({r['auto_speedup']:.2f}x)", flush=True)
         _free(llm)
     print(f"\n{'model':32s} {'method':6s} {'batch':>5s} {'off tok/s':>10s} {'spec tok/s':>10s} {'speedup':>8s} "
-          f"{'accept':>7s} {'mean len':>8s}")
+          f"{'accept':>7s} {'mean len':>8s} {'auto tok/s':>10s} {'auto':>7s}")
     for r in rows:
         print(f"{r['model'][:32]:32s} {r['method']:6s} {r['batch']:5d} {r['off_tok_s']:10.1f} {r['spec_tok_s']:10.1f} "
-              f"{r['speedup']:7.2f}x {r['acceptance']:7.3f} {r['mean_accepted_length']:8.2f}")
+              f"{r['speedup']:7.2f}x {r['acceptance']:7.3f} {r['mean_accepted_length']:8.2f} {r['auto_tok_s']:10.1f} "
+              f"{r['auto_speedup']:6.2f}x")
     for method in methods:
         paying = [r["batch"] for r in rows if r["method"] == method and r["speedup"] >= 1.0]
         losing = [r["batch"] for r in rows if r["method"] == method and r["speedup"] < 1.0]

@@ -281,9 +281,12 @@ def test_bench_offline_copy_prints_the_spec_metrics(tiny, tmp_path, capsys):
     assert r["spec_acceptance_rate"] == 1.0 and r["spec_acceptance_per_position"] == [1.0, 1.0, 1.0]
     assert r["spec_mean_accepted_length"] == pytest.approx(1 + r["spec_draft_tokens"] / r["spec_num_drafts"])
     line = next(ln for ln in text.splitlines() if ln.startswith("speculative "))
-    assert line == (f"speculative draft k=3 (off above 8 sequences): acceptance 1.000, mean accepted length "
-                    f"{r['spec_mean_accepted_length']:.2f} tokens, per position [1.00 1.00 1.00], "
-                    f"{r['spec_draft_tokens']} drafts proposed")
+    assert line == (f"speculative draft k=3 (drafts where measured to pay up to 8 sequences): acceptance 1.000, "
+                    f"mean accepted length {r['spec_mean_accepted_length']:.2f} tokens, per position "
+                    f"[1.00 1.00 1.00], {r['spec_draft_tokens']} draft tokens in {r['spec_num_drafts']} verifications")
+    assert r["spec_adaptive"] and r["spec_switch_off_rates"]["1-1"]["speculative"] > 0
+    rates = next(ln for ln in text.splitlines() if ln.startswith("output tok/s with vs without drafts"))
+    assert "1-1: " in rates
 
 
 class _EagerVerifyGraph:

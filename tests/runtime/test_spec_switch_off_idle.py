@@ -1,15 +1,11 @@
 """Idle time must not steer the measured speculation switch-off (``spec_decode.switch_off``),
 and a fixed switch-off size must be an integer.
 
-The two idle-time tests fail at the time of writing (found while trying the feature as a user):
-
-- a probe's length is taken from the wall clock between its first and last step, so idle time
-  (or time spent at another batch size) in the middle of a probe postpones the next probe by
-  ``1 / PROBE_SHARE`` times that time: the bucket keeps its mode for hours after the other
-  one starts paying;
-- a request that ends by a stop string (or a client abort) is dropped after the engine's step,
-  so ``SwitchOff.end`` is never called: the open interval stays open through the idle time
-  and the next request credits all of it to one mode, whose rate collapses."""
+- a probe's cost is its mode's mean step time, not the wall clock between its first and last
+  step: idle time (or time at another batch size) in the middle of a probe must not postpone
+  the next probe by ``1 / PROBE_SHARE`` times that time;
+- a request that ends by a stop string (or a client abort) is dropped after the engine's step:
+  the time until the next request must be credited to neither mode."""
 
 from __future__ import annotations
 

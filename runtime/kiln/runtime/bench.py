@@ -171,15 +171,20 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     _print_table(results)
     if "spec_method" in results[0]:
         r = results[0]
-        per_pos = " ".join(f"{x:.2f}" for x in r["spec_acceptance_per_position"])
-        print(f"speculative {r['spec_method']} k={r['spec_k']} (off above {r['spec_max_batch_size']} sequences): "
-              f"acceptance {r['spec_acceptance_rate']:.3f}, mean accepted length {r['spec_mean_accepted_length']:.2f} "
-              f"tokens, per position [{per_pos}], {r['spec_draft_tokens']} drafts proposed")
-        if r.get("spec_adaptive"):
-            fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-            rates = ", ".join(f"{b}: {fmt(v['speculative'])} vs {fmt(v['plain'])}"
-                              for b, v in r["spec_switch_off_rates"].items())
-            print(f"measured switch-off, output tok/s with vs without drafts per batch size: {rates or 'none yet'}")
+        rule = "where measured to pay" if r["spec_adaptive"] else "at every step"
+        head = f"speculative {r['spec_method']} k={r['spec_k']} (drafts {rule} up to {r['spec_max_batch_size']} sequences)"
+        if r["spec_num_drafts"]:
+            per_pos = " ".join(f"{x:.2f}" for x in r["spec_acceptance_per_position"])
+            print(f"{head}: acceptance {r['spec_acceptance_rate']:.3f}, mean accepted length "
+                  f"{r['spec_mean_accepted_length']:.2f} tokens, per position [{per_pos}], {r['spec_draft_tokens']} "
+                  f"draft tokens in {r['spec_num_drafts']} verifications")
+        else:
+            print(f"{head}: no drafts proposed")
+        fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+        rates = ", ".join(f"{b}: {fmt(v['speculative'])} vs {fmt(v['plain'])}"
+                          for b, v in r["spec_switch_off_rates"].items())
+        print(f"output tok/s with vs without drafts, per batch size, as the switch-off measured them: "
+              f"{rates or 'no decode step measured'}")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(ns).items() if k not in ("func", "workload_defaults")},

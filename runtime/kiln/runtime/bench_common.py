@@ -134,7 +134,8 @@ def workload_from_flags(ns: argparse.Namespace, vocab_size: int, tokenizer=None)
 def describe_workload(ns: argparse.Namespace, wl: Workload) -> str:
     """One line on the workload: its kind, lengths and token totals."""
     n = len(wl.prompts)
-    kind = "lognormal lengths" if ns.dataset == "lognormal" else f"random lengths (range {ns.range_ratio})"
+    kind = {"lognormal": "lognormal lengths", "copy": "copy a given passage"}.get(
+        ns.dataset, f"random lengths (range {ns.range_ratio})")
     return (f"{n} prompts, {kind}: input mean {wl.num_input_tokens / n:.0f} max {max(map(len, wl.prompts))}, "
             f"output mean {wl.num_output_tokens / n:.0f} max {max(wl.output_lens)} tokens; "
             f"{wl.num_output_tokens} output tokens requested")

@@ -262,10 +262,9 @@ class EngineCore:
         With asynchronous scheduling this plans and launches step N, then reads back step
         N-1 while step N runs on the device; the outputs returned are step N-1's.
         """
-        outputs = self._step()
-        if self.spec is not None and not self.scheduler.num_running and self._in_flight is None:
-            self.spec.switch_off.end()  # out of work: the time until the next request is idle
-        return outputs
+        if self.spec is not None:  # meters the step for the speculation switch-off
+            self.spec.switch_off.before_step(idle=not self.scheduler.num_running and self._in_flight is None)
+        return self._step()
 
     def _step(self) -> list[CoreOutput]:  # one step of ``step``
         start = time.monotonic()
@@ -307,8 +306,7 @@ class EngineCore:
         return outputs
 
     def _params_of(self, request_id: str):
-        seq = self._seqs.get(request_id)
-        return seq.params if seq is not None else None
+        return self._seqs[request_id].params if request_id in self._seqs else None
 
     def _spec_step(self, num_running: int) -> list[CoreOutput]:
         """One synchronous step with drafts (speculative decoding): read back the step in

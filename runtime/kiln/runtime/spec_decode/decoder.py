@@ -92,15 +92,13 @@ class SpecDecoder:
         return on
 
     def on_planned(self, out: SchedulerOutput, num_running: int = 0, start: float | None = None) -> None:
-        """Meter a planned step: a step with drafts (``start``: when its interval began, after
-        reading back the step in flight) is a sample of the speculative mode unless it drafts
-        nothing (prefill only, no n-gram match) or only for the seeded sequences; a step with a
-        prefill chunk is a sample of neither mode."""
-        prefill = any(not sr.is_decode for sr in out.scheduled)
+        """Meter a planned step: a speculative step (``start``: when its interval began, after
+        reading back the step in flight) is a sample of the speculative mode, drafts or not,
+        unless it drafts for the seeded sequences only; a step with a prefill chunk is a
+        sample of neither mode."""
         if start is not None:
-            metered = out.num_spec_tokens and not self.seeded_only and not prefill
-            self.switch_off.begin(True, num_running if metered else 0, start)
-        elif prefill:
+            self.switch_off.begin(True, num_running, start)
+        if self.seeded_only or any(not sr.is_decode for sr in out.scheduled):
             self.switch_off.discard()
 
     @staticmethod

@@ -17,18 +17,18 @@ Per bucket of running sequences (1, 2, 3-4, 5-8, ..., up to the configured maxim
   sample); its rate is their ratio, so long and short steps weigh by their time.
 - A bucket starts with drafts (no measurement yet), then measures plain decoding for
   ``PROBE_STEPS`` steps, then runs the faster mode.
-- The slower mode is probed again for ``PROBE_STEPS`` steps once the faster one has run for
-  ``1 / PROBE_SHARE`` times the last probe's duration and at least ``MIN_STEPS_BETWEEN_PROBES``
-  steps: probes take at most about ``PROBE_SHARE`` of the time, and a change in the traffic's
+- The slower mode is probed again for ``PROBE_STEPS`` steps once ``1 / PROBE_SHARE`` times
+  the probe's cost (its mode's mean step time) has passed and the faster mode has run at least
+  ``MIN_STEPS_BETWEEN_PROBES`` steps: probes take at most about ``PROBE_SHARE`` of the time, and a change in the traffic's
   acceptance is seen within a few probes.
 
 With an explicit ``speculative_disable_by_batch_size`` (``adaptive=False``) every step at or
 below that size speculates, as in vLLM; the rates are still measured and reported.
 
-A sampled request with a seed gets the same tokens in either mode only for greedy decoding:
-rejection sampling draws its random numbers differently, so a seeded sampled request's
-tokens depend on which steps speculated (as with a fixed threshold, where they depend on the
-batch size).
+Rejection sampling draws other random numbers than plain sampling, so a seeded sampled
+request's tokens would depend on which steps drafted, that is on timing.  Where this rule says
+no, such requests keep drafting alone (``SpecDecoder.active``): their tokens depend only on the
+batch sizes they ran at, as with a fixed size.  Greedy tokens are the same in either mode.
 """
 
 from __future__ import annotations
@@ -63,12 +63,19 @@ def bucket_range(index: int) -> tuple[int, int]:
 class _Rate:
     tokens: float = 0.0
     seconds: float = 0.0
+    steps: float = 0.0
     samples: int = 0
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + seconds
+        self.steps = self.steps * DECAY + 1
         self.samples += 1
+
+    @property
+    def step_seconds(self) -> float:
+        """Mean seconds of a step in this mode (0 before any)."""
+        return self.seconds / self.steps if self.steps else 0.0
 
     @property
     def per_second(self) -> float | None:
@@ -81,7 +88,6 @@ class _Bucket:
     plain: _Rate = field(default_factory=_Rate)
     probing: bool | None = None  # the mode being probed (True: drafts), None: none
     probe_left: int = 0
-    probe_started: float = 0.0
     steps_since_probe: int = 0
     next_probe_at: float = 0.0  # clock seconds
 
@@ -95,11 +101,9 @@ class SwitchOff:
         adaptive: compare the measured rates below ``max_batch_size`` (else always draft).
         clock: seconds, monotonic (tests pass their own).
 
-    The engine core calls ``decide`` at the start of a step, ``begin`` when the step's
-    interval starts (after reading back a step in flight, whose tokens belong to the
-    interval before), ``discard`` when the step turns out to hold a prefill chunk,
-    ``add_tokens`` with the output tokens each processed step yields, and ``end`` when a step
-    leaves no work.
+    The engine core calls ``before_step`` and ``decide`` at the start of every step, ``begin`` when the step's interval starts (after reading back a step in flight,
+    whose tokens belong to the interval before), ``discard`` when the step turns out to be no
+    sample, and ``add_tokens`` with the output tokens each processed step yields.
     """
 
     def __init__(self, max_batch_size: int, adaptive: bool, clock: Callable[[], float] = time.monotonic):
@@ -109,6 +113,7 @@ class SwitchOff:
         self.buckets: dict[int, _Bucket] = {}
         self._open: tuple[bool, int, float] | None = None  # (speculative, bucket, start)
         self._open_tokens = 0
+        self._last_processed: float | None = None  # when add_tokens last ran
 
     def decide(self, num_running: int) -> bool:
         """Whether a step over ``num_running`` sequences proposes drafts."""
@@ -120,9 +125,11 @@ class SwitchOff:
         if b.probing is not None:
             if b.probe_left:
                 return b.probing
-            now = self.clock()  # the probe's last step has run
+            # the probe's last step has run; its cost is its mode's mean step time (idle time
+            # or other batch sizes between its steps are no part of it)
+            took = PROBE_STEPS * (b.spec if b.probing else b.plain).step_seconds
             b.probing, b.steps_since_probe = None, 0
-            b.next_probe_at = now + (now - b.probe_started) / PROBE_SHARE
+            b.next_probe_at = self.clock() + took / PROBE_SHARE
         spec, plain = b.spec.per_second, b.plain.per_second
         if spec is None or plain is None:
             return self._start_probe(b, spec is None)
@@ -133,7 +140,7 @@ class SwitchOff:
         return faster
 
     def _start_probe(self, b: _Bucket, speculative: bool) -> bool:
-        b.probing, b.probe_left, b.probe_started = speculative, PROBE_STEPS, self.clock()
+        b.probing, b.probe_left = speculative, PROBE_STEPS
         return speculative
 
     def begin(self, speculative: bool, num_running: int, now: float | None = None) -> None:
@@ -150,13 +157,22 @@ class SwitchOff:
         self._open_tokens = 0
 
     def discard(self) -> None:
-        """The open interval's step computes prompt tokens (a prefill chunk): its time says
-        nothing about decoding, so it closes without crediting either mode."""
+        """The open interval's step is no sample of decoding speed (it computes a prefill
+        chunk, or drafts for the seeded sequences only): it closes without crediting either
+        mode (it still counts as a step of a probe)."""
         self._open = None
+
+    def before_step(self, idle: bool) -> None:
+        """At the start of a step; ``idle``: no sequence ran and no step was in flight, so
+        the time since the last processed step (requests ended by a stop string or an abort,
+        then none) is neither mode's."""
+        if idle:
+            self.end(self._last_processed)
 
     def add_tokens(self, n: int) -> None:
         """Output tokens of a processed step, credited to the open interval."""
         self._open_tokens += n
+        self._last_processed = self.clock()
 
     def end(self, now: float | None = None) -> None:
         """The engine ran out of work: close the open interval at ``now`` and open none (the
