@@ -18,9 +18,10 @@ Per bucket of running sequences (1, 2, 3-4, 5-8, ..., up to the configured maxim
 - A bucket starts with drafts (no measurement yet), then measures plain decoding for
   ``PROBE_STEPS`` steps, then runs the faster mode.
 - The slower mode is probed again for ``PROBE_STEPS`` steps once ``1 / PROBE_SHARE`` times
-  the probe's cost (its mode's mean step time) has passed and the faster mode has run at least
-  ``MIN_STEPS_BETWEEN_PROBES`` steps: probes take at most about ``PROBE_SHARE`` of the time, and a change in the traffic's
-  acceptance is seen within a few probes.
+  the probe's cost (its mode's mean step time) has passed and the faster mode has run at
+  least ``MIN_STEPS_BETWEEN_PROBES`` steps: probes take at most about ``PROBE_SHARE`` of the
+  time, and a change in the traffic's acceptance is seen within a few probes.
+- Steps with a prefill chunk, and the time while no sequence runs, are no sample.
 
 With an explicit ``speculative_disable_by_batch_size`` (``adaptive=False``) every step at or
 below that size speculates, as in vLLM; the rates are still measured and reported.
