@@ -5,6 +5,7 @@ shipped domains with ``kiln eval``'s scorer (windows of 512), as a rise in perpl
     .venv/bin/python benchmarks/quant_error_sources.py [--max-tokens 1024] [--domains all]
         [--variants fp8-w,fp8-a,fp8-a-g64,fp8-wa,int4-g64,int4-g32,rot-int4-g64,rot-fp8-w,rot-fp8-a]
         [--sensitivity int4-g64]   # one linear type, then one decoder layer at a time
+        [--keep-float layers.29.]  # linears whose name contains this stay float32
 
 Variants: ``fp8-w`` E4M3 weights with one absmax scale per output channel; ``fp8-a`` E4M3
 activations with one scale per token at every linear's input (``fp8-a-g64``: per 64 channels
@@ -69,6 +70,7 @@ def main() -> int:
     ap.add_argument("--variants", default="fp8-w,fp8-a,fp8-a-g64,fp8-wa,int4-g64,int4-g32,rot-int4-g64,rot-fp8-w,"
                                           "rot-fp8-a")
     ap.add_argument("--sensitivity", default=None, help="a weight variant to apply to one type / layer at a time")
+    ap.add_argument("--keep-float", default=None, help="linears whose name contains this stay float32")
     a = ap.parse_args()
     torch.set_num_threads(1)
     eng = open_model(model="builtin:smollm2-135m-instruct", window=512)
@@ -116,7 +118,9 @@ def main() -> int:
             print("rotated float32 (check): " + " ".join(f"{d}:{(rot[d] / base[d] - 1) * 100:+.4f}%" for d in rot))
         if plain not in WEIGHTS and plain not in ACTS:
             raise SystemExit(f"unknown variant {v}")
-        run(v, WEIGHTS.get(plain), ACTS.get(plain, False) if plain in ACTS else False)
+        keep = None if a.keep_float is None else (lambda n: a.keep_float not in n)
+        run(v + (f" ({a.keep_float} float)" if a.keep_float else ""), WEIGHTS.get(plain),
+            ACTS.get(plain, False) if plain in ACTS else False, only=keep)
     if a.sensitivity:
         w = WEIGHTS[a.sensitivity]
         for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):

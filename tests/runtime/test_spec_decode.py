@@ -279,6 +279,26 @@ def test_measured_switch_off_alternating_modes_keeps_parity_seeds_and_frees_bloc
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
+def test_where_drafts_are_measured_to_lose_only_seeded_sampled_requests_draft():
+    """The measured switch-off says no at batch sizes 1 and 2 (plain decoding measured 10x
+    faster): a greedy request and an unseeded sampled one decode without drafts; a seeded
+    sampled request still drafts (alone), so its tokens do not depend on step timing."""
+    from kiln.runtime import SamplingParams
+    from kiln.runtime.spec_decode.switch_off import _Bucket
+
+    llm = _spec_llm(speculative_disable_by_batch_size=None)
+    spec = llm.engine.core.spec
+    for index in (0, 1):
+        b = spec.switch_off.buckets.setdefault(index, _Bucket())
+        b.spec.add(1, 1.0)
+        b.plain.add(10, 1.0)
+    llm.generate([COPY_PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=20))
+    llm.generate([COPY_PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=20))
+    assert spec.stats.num_draft_tokens == 0 and spec.num_disabled_steps > 0
+    llm.generate([COPY_PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=20, seed=3))
+    assert spec.stats.num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("method", ["draft", "eagle", "eagle3"])
 def test_model_proposers_greedy_parity_async_and_prefix_cached(baseline, method, tmp_path):
     """The draft model (here the target itself: every draft is accepted) and random EAGLE /

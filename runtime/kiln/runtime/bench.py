@@ -172,7 +172,8 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     if "spec_method" in results[0]:
         r = results[0]
         rule = "where measured to pay" if r["spec_adaptive"] else "at every step"
-        head = f"speculative {r['spec_method']} k={r['spec_k']} (drafts {rule} up to {r['spec_max_batch_size']} sequences)"
+        head = (f"speculative {r['spec_method']} k={r['spec_k']} (drafts {rule} up to "
+                f"{r['spec_max_batch_size']} sequences)")
         if r["spec_num_drafts"]:
             per_pos = " ".join(f"{x:.2f}" for x in r["spec_acceptance_per_position"])
             print(f"{head}: acceptance {r['spec_acceptance_rate']:.3f}, mean accepted length "
@@ -180,9 +181,9 @@ def cmd_offline(ns: argparse.Namespace) -> int:
                   f"draft tokens in {r['spec_num_drafts']} verifications")
         else:
             print(f"{head}: no drafts proposed")
-        fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-        rates = ", ".join(f"{b}: {fmt(v['speculative'])} vs {fmt(v['plain'])}"
-                          for b, v in r["spec_switch_off_rates"].items())
+        shown = {b: ["-" if x is None else f"{x:.0f}" for x in (v["speculative"], v["plain"])]
+                 for b, v in r["spec_switch_off_rates"].items()}
+        rates = ", ".join(f"{b}: {on} vs {off}" for b, (on, off) in shown.items())
         print(f"output tok/s with vs without drafts, per batch size, as the switch-off measured them: "
               f"{rates or 'no decode step measured'}")
     if ns.json:

@@ -74,7 +74,7 @@ class SpecDecoder:
 
         return cls(config, EagleProposer.load(config, loaded))
 
-    def active(self, num_running: int, running: list[Request] = (), params_of=None) -> bool:
+    def active(self, num_running: int, running: list[Request], params_of) -> bool:
         """Whether this step speculates: at most ``max_batch_size`` running sequences and,
         unless ``disable_by_batch_size`` was given, drafts measured to pay at this batch size.
 
@@ -84,7 +84,7 @@ class SpecDecoder:
         sampling, and a seed must give the same tokens whatever the timing of the steps."""
         on = self.switch_off.decide(num_running)
         self.seeded_only = False
-        if not on and 0 < num_running <= self.config.max_batch_size and params_of is not None \
+        if not on and 0 < num_running <= self.config.max_batch_size \
                 and any(self._seeded_sampling(params_of(r.request_id)) for r in running):
             on = self.seeded_only = True
         if not on and num_running:

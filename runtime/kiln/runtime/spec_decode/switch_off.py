@@ -102,8 +102,9 @@ class SwitchOff:
         adaptive: compare the measured rates below ``max_batch_size`` (else always draft).
         clock: seconds, monotonic (tests pass their own).
 
-    The engine core calls ``before_step`` and ``decide`` at the start of every step, ``begin`` when the step's interval starts (after reading back a step in flight,
-    whose tokens belong to the interval before), ``discard`` when the step turns out to be no
+    The engine core calls ``before_step`` and ``decide`` at the start of every step,
+    ``begin`` when the step's interval starts (after reading back a step in flight, whose
+    tokens belong to the interval before), ``discard`` when the step turns out to be no
     sample, and ``add_tokens`` with the output tokens each processed step yields.
     """
 
