@@ -126,6 +126,8 @@ def main() -> int:
                 setattr(prop, fwd, counted)
             graphs_d = prop.runner.decode_graphs if method == "draft" else None  # the draft's own
             catch0 = graphs_d.num_verify_replays if graphs_d is not None else 0
+            head_graphs = getattr(prop, "graphs", None)  # an EAGLE head's one-token step graphs
+            head0 = head_graphs.num_replays if head_graphs is not None else 0
             steps0 = llm.engine.num_steps
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
@@ -140,7 +142,8 @@ def main() -> int:
                   f"{steps} steps, acceptance {st.acceptance_rate:.3f}, verify graph replays "
                   f"{(graphs.num_verify_replays - replays0) if graphs is not None else 0}, "
                   f"draft-side graphs: {'yes' if getattr(getattr(prop, 'runner', None), 'decode_graphs', None) else 'no'}, "
-                  f"proposer forwards {dict(eager)} (+{catch_up} catch-ups replayed as graphs)")
+                  f"proposer forwards {dict(eager)} (+{catch_up} catch-ups replayed as graphs"
+                  f"{f', +{head_graphs.num_replays - head0} head steps replayed as graphs' if head_graphs else ''})")
             for name, s in sorted(timer.seconds.items(), key=lambda x: -x[1]):
                 print(f"   {name:38s} {s * 1e3 / max(steps, 1):8.3f} ms/step  ({timer.calls[name]} calls)")
         del llm

@@ -299,11 +299,21 @@ class _EagerVerifyGraph:
             graphs.runner.model(graphs.input_ids[:rows], graphs.positions[:rows], graphs.verify_metadata(bs)))
 
 
+class _EagerDecodeGraph:
+    """The CPU stand-in of a one-token decode graph of ``bs`` rows."""
+
+    def __init__(self, graphs, bs: int):
+        self.replay = lambda: graphs.outputs[bs].copy_(
+            graphs.runner.model(graphs.input_ids[:bs], graphs.positions[:bs], graphs.metadata(bs)))
+
+
 def test_draft_catch_up_through_the_multi_token_graph_inputs(tiny, base):
     """The draft model's catch-up forwards (the tokens verified since its last step, up to
     k + 1 per sequence) staged through its multi-token graph inputs
-    (``DecodeGraphs.run_verify_rows``: rows packed per sequence, query start offsets, padding)
-    give the eager catch-up's drafts: every draft accepted, outputs equal plain decoding."""
+    (``DecodeGraphs.run_verify_rows``: rows packed per sequence, query start offsets, padding),
+    and its one-token forwards through the decode graph inputs with each draft read from the
+    device (``DecodeGraphs.run_rows`` given a tensor), give the eager drafts: every draft
+    accepted, outputs equal plain decoding."""
     from kiln.runtime.decode_graphs import DecodeGraphs
 
     want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, PARAMS)]
@@ -314,13 +324,79 @@ def test_draft_catch_up_through_the_multi_token_graph_inputs(tiny, base):
     for bs in g.verify_sizes:
         g.verify_outputs[bs] = torch.empty(bs * g.verify_len, TINY_CONFIG["hidden_size"], dtype=runner.dtype)
         g.verify_graphs[bs] = _EagerVerifyGraph(g, bs)
-    assert not g.graphs  # one-token draft steps stay eager
+    replays = []
+    for bs in g.sizes:
+        g.outputs[bs] = torch.empty(bs, TINY_CONFIG["hidden_size"], dtype=runner.dtype)
+        g.graphs[bs] = _EagerDecodeGraph(g, bs)
+        g.graphs[bs].replay = (lambda f: lambda: (replays.append(1), f()))(g.graphs[bs].replay)
     runner.decode_graphs = g
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     finally:
         runner.decode_graphs = None
-    assert g.num_verify_replays > 0
+    assert g.num_verify_replays > 0 and replays
     assert llm.engine.core.spec.stats.acceptance_rate == 1.0
     assert got == want
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def _record_drafts(llm: LLM) -> list[list[list[int]]]:
+    """Every step's drafts (per drafting sequence, in schedule order), recorded as proposed."""
+    prop, seen = llm.engine.core.spec.proposer, []
+    propose = prop.propose
+
+    def recording(out, rows):
+        probs = propose(out, rows)
+        seen.append([list(sr.spec_token_ids) for sr in out.scheduled if sr.num_spec_tokens])
+        return probs
+
+    prop.propose = recording
+    return seen
+
+
+def test_eagle_head_steps_through_the_graph_inputs_give_the_eager_drafts(tiny, eagle_head, base):
+    """An EAGLE head's one-token steps staged as their CUDA graphs read them
+    (``EagleHeadGraphs.run``: the target's decode-graph inputs, each draft read from the
+    device, the features in the head's own buffer, padded rows) propose exactly the drafts of
+    the eager head steps, step by step, and outputs equal plain decoding.  On the CPU the
+    captured call is made eagerly (the GPU test in test_verify_graphs.py replays real graphs)."""
+    from kiln.runtime.decode_graphs import DecodeGraphs
+    from kiln.runtime.spec_decode.eagle_graphs import EagleHeadGraphs
+
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, PARAMS)]
+    kw = dict(speculative_method="eagle", num_speculative_tokens=K, speculative_model=eagle_head,
+              speculative_disable_by_batch_size=16)
+    eager = _llm(tiny, **kw)
+    assert eager.engine.core.spec.proposer.graphs is None  # no decode graphs on the CPU
+    want_drafts = _record_drafts(eager)
+    assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS, PARAMS)] == want
+    llm = _llm(tiny, **kw)
+    prop, runner = llm.engine.core.spec.proposer, llm.engine.runner
+    runner.decode_graphs = DecodeGraphs(runner, 16, llm.engine.max_model_len)
+    hg = EagleHeadGraphs(prop.head, runner, 16)
+    assert hg.sizes == [1, 2, 4, 8, 16]
+    for bs in hg.sizes:
+        hg.outputs[bs] = (torch.empty(bs, VOCAB), torch.empty(bs, TINY_CONFIG["hidden_size"]))
+        hg.graphs[bs] = _EagerHeadGraph(hg, bs)
+    prop.graphs = hg
+    got_drafts = _record_drafts(llm)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    finally:
+        runner.decode_graphs = None
+    assert hg.num_replays > 0
+    assert got_drafts == want_drafts and sum(len(d) for step in got_drafts for d in step) > 0
+    assert got == want
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+class _EagerHeadGraph:
+    """The CPU stand-in of an EAGLE head step's graph of ``bs`` rows."""
+
+    def __init__(self, graphs, bs: int):
+        def replay():
+            logits, nxt = graphs.step(bs)
+            graphs.outputs[bs][0].copy_(logits)
+            graphs.outputs[bs][1].copy_(nxt)
+
+        self.replay = replay

@@ -136,3 +136,48 @@ def test_verify_step_staging_on_the_cpu():
     assert g.num_verify_replays > 0 and llm.engine.core.spec.stats.num_accepted_tokens > 0
     assert got == want and got1 == want[:2]
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_head_graphs_propose_the_eager_drafts(baseline, kind, tmp_path):
+    """A random EAGLE / EAGLE-3 head of the target's shape: with CUDA graphs its one-token
+    steps replay ``EagleHeadGraphs`` (drafts read from the device, one read-back per step)
+    and propose the drafts of the same engine without graphs, step by step (the target's and
+    the head's forwards run other kernels there: a near-tie may flip a rare draft, so 98 % must
+    agree); outputs equal plain decoding either way."""
+    import sys
+    from pathlib import Path
+
+    from kiln.runtime import LLM, SamplingParams, loader
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from eagle_heads import write_random_head
+    from test_spec_decode_tiny import _record_drafts
+
+    prompts, want = baseline
+    cfg = loader.load_model_config(loader.resolve_source(MODEL["model"])).to_hf_dict()
+    head = str(write_random_head(tmp_path, cfg, kind))
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    drafts, outputs = [], []
+    for graphs in (False, True):
+        llm = LLM(**MODEL, enable_cuda_graphs=graphs, speculative_method="eagle", num_speculative_tokens=4,
+                  speculative_model=head, speculative_disable_by_batch_size=8)
+        prop = llm.engine.core.spec.proposer
+        assert (prop.graphs is not None) == graphs
+        drafts.append(_record_drafts(llm))
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+        if graphs:
+            assert prop.graphs.num_replays > 0
+        assert llm.engine.core.spec.stats.num_draft_tokens > 0
+        assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+        del llm, prop
+        torch.cuda.empty_cache()
+    assert outputs[0] == want and outputs[1] == want
+    eager = [t for step in drafts[0] for d in step for t in d]
+    graphed = [t for step in drafts[1] for d in step for t in d]
+    assert len(eager) == len(graphed) > 0
+    assert sum(a == b for a, b in zip(eager, graphed)) >= 0.98 * len(eager)

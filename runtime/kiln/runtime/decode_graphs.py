@@ -92,6 +92,10 @@ class DecodeGraphs:
                            for _ in range(2)]
         self.host_table_np = [t.numpy() for t in self.host_table]
         self.turn = 0
+        # Per staging set, an event recorded after its copies were queued: a set is written
+        # again only once they ran (a draft model's or an EAGLE head's forwards are queued
+        # back to back, more than one in flight).
+        self.staged = [torch.cuda.Event() for _ in range(2)] if pin else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # EAGLE-3: the residual streams the model keeps (``LlamaModel.aux_layers``), as each
@@ -179,27 +183,63 @@ class DecodeGraphs:
         return self._replay_decode(tokens, [sr.num_computed_tokens for sr in out.scheduled],
                                    [sr.block_ids for sr in out.scheduled], ph_dst, ph_src, lora)
 
-    def run_rows(self, tokens: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
-        """Replay the decode graph for ``n`` one-token rows given as host lists (a draft
-        model's steps, which have no ``SchedulerOutput``): row ``i`` is token ``tokens[i]`` at
-        position ``positions[i]`` of the sequence whose block ids are ``block_tables[i]``
-        (context ``positions[i] + 1`` tokens, its K/V written at that position).  Returns the
-        hidden states [n, hidden]; None when no graph is that large."""
-        if not self.graphs or not tokens or len(tokens) > self.sizes[-1]:
+    def run_rows(self, tokens: list[int] | torch.Tensor, positions: list[int],
+                 block_tables: list[list[int]]) -> torch.Tensor | None:
+        """Replay the decode graph for ``n`` one-token rows (a draft model's steps, which
+        have no ``SchedulerOutput``): row ``i`` is token ``tokens[i]`` (a host list, or int64
+        [n] on the device: drafts not yet read back) at position ``positions[i]`` of the
+        sequence whose block ids are ``block_tables[i]`` (context ``positions[i] + 1``
+        tokens, its K/V written at that position).  Returns the hidden states [n, hidden];
+        None when no graph is that large."""
+        if not self.graphs or not len(positions) or len(positions) > self.sizes[-1]:
             return None
-        return self._replay_decode(tokens, positions, block_tables, [], [], None)
+        bs = self.stage_rows(tokens, positions, block_tables)
+        return self._replay(bs, len(positions))
+
+    def stage_rows(self, tokens: list[int] | torch.Tensor, positions: list[int],
+                   block_tables: list[list[int]]) -> int:
+        """Stage ``n`` one-token rows (as :meth:`run_rows` takes them) into the persistent
+        inputs of the smallest decode graph of at least ``n`` rows; returns that size.
+        Graphs over the same inputs (an EAGLE head's) replay after it."""
+        bs = self._stage_decode([0] * len(positions) if torch.is_tensor(tokens) else tokens, positions,
+                                block_tables, [], [])
+        if torch.is_tensor(tokens):
+            self.input_ids[: len(positions)].copy_(tokens)
+        return bs
+
+    def _next_turn(self) -> int:
+        """Alternate staging buffers, waiting until the chosen set's earlier copies ran."""
+        turn = self.turn = 1 - self.turn
+        if self.staged is not None:
+            self.staged[turn].synchronize()
+        return turn
+
+    def _mark_staged(self, turn: int) -> None:
+        if self.staged is not None:
+            self.staged[turn].record()
 
     def _replay_decode(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
                        ph_dst: list[int], ph_src: list[int], lora_rows: list[tuple[int, int]] | None) -> torch.Tensor:
         """Stage ``n`` one-token rows into the graph inputs and replay the smallest decode
         graph of at least ``n`` rows; rows ``ph_dst`` take the previous step's sampled ids
         ``ph_src`` on the device.  Returns the hidden states [n, hidden]."""
+        bs = self._stage_decode(tokens, positions, block_tables, ph_dst, ph_src)
+        if lora_rows is not None:
+            self.runner.lora.set_batch(lora_rows, num_tokens=bs, active=True)
+        return self._replay(bs, len(tokens))
+
+    def _replay(self, bs: int, n: int) -> torch.Tensor:
+        self.graphs[bs].replay()
+        if self.aux_outputs:
+            self.runner.model.model.aux_hidden = self.aux_outputs[bs][:n]
+        return self.outputs[bs][:n]
+
+    def _stage_decode(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
+                      ph_dst: list[int], ph_src: list[int]) -> int:
         n = len(tokens)
         bs = next(b for b in self.sizes if b >= n)
         blk = self.block_size
-        # Alternate staging buffers: at most one step is in flight, so the other set's
-        # copies (two graph steps ago) are complete.
-        turn = self.turn = 1 - self.turn
+        turn = self._next_turn()
         host = self.host[turn]  # pinned [5, max_rows + 1] int64: ids, positions, slots, seq_lens
         table = self.host_table[turn]  # pinned [max_bs, max_blocks] int32
         h_ids, h_pos, h_slot, h_len = host[0], host[1], host[2], host[3]
@@ -219,13 +259,9 @@ class DecodeGraphs:
         self.slots[:bs].copy_(h_slot[:bs], non_blocking=True)
         self.seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
         self.block_tables[:bs].copy_(table[:bs], non_blocking=True)
+        self._mark_staged(turn)
         self.runner.fill_placeholders(self.input_ids, ph_dst, ph_src)
-        if lora_rows is not None:
-            self.runner.lora.set_batch(lora_rows, num_tokens=bs, active=True)
-        self.graphs[bs].replay()
-        if self.aux_outputs:
-            self.runner.model.model.aux_hidden = self.aux_outputs[bs][:n]
-        return self.outputs[bs][:n]
+        return bs
 
     def run_verify(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Replay the verify graph for a step whose every sequence computes at most
@@ -275,7 +311,7 @@ class DecodeGraphs:
         bs = next(b for b in self.verify_sizes if b >= n)
         rows = bs * self.verify_len
         blk = self.block_size
-        turn = self.turn = 1 - self.turn
+        turn = self._next_turn()
         host = self.host[turn]  # pinned [5, max_rows + 1] int64
         table = self.host_table[turn]
         h_ids, h_pos, h_slot, h_len, h_qsl = host[0], host[1], host[2], host[3], host[4]
@@ -305,6 +341,7 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(h_len[:bs], non_blocking=True)
         self.verify_qsl[: bs + 1].copy_(h_qsl[: bs + 1], non_blocking=True)
         self.block_tables[:bs].copy_(table[:bs], non_blocking=True)
+        self._mark_staged(turn)
         self.runner.fill_placeholders(self.input_ids, ph_dst, ph_src)
         if self.runner.lora is not None:
             self.runner.lora.set_batch(lora_rows, num_tokens=rows, active=True)

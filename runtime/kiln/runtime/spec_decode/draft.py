@@ -140,32 +140,39 @@ class DraftModelProposer:
             logits = self._forward(ids, pos, slots, seq_lens, q_lens, tables, last)
         probs: dict[str, list[torch.Tensor]] = {}
         tok = self._pick(logits, srs, rows, probs)  # int64 [R] on the device
-        drafts = [[t] for t in tok.tolist()]
-        # 2. one token at a time for the other drafts
+        # 2. one token at a time for the other drafts; the drafts stay on the device (each
+        # forward reads the last one there) and are read back once, at the end
+        cols = [(list(range(len(srs))), tok)]
         for j in range(1, max(sr.num_spec_tokens for sr in srs)):
             live = [i for i, sr in enumerate(srs) if sr.num_spec_tokens > j]
             sub = [srs[i] for i in live]
+            prev_rows, prev = cols[-1]
+            if len(live) != len(prev_rows):  # rows of prev are the previous live ones
+                at = {r: k for k, r in enumerate(prev_rows)}
+                prev = prev.index_select(0, self.runner.h2d([at[i] for i in live], torch.int64))
             p = [sr.num_tokens + j - 1 for sr in sub]  # the position of draft j (0-based: j-1)
-            logits = self._forward([drafts[i][-1] for i in live], p,
-                                   [sr.block_ids[q // bs] * bs + q % bs for sr, q in zip(sub, p)],
+            logits = self._forward(prev, p, [sr.block_ids[q // bs] * bs + q % bs for sr, q in zip(sub, p)],
                                    [q + 1 for q in p], [1] * len(sub), [sr.block_ids for sr in sub],
                                    list(range(len(sub))))
-            for i, t in zip(live, self._pick(logits, sub, rows, probs).tolist()):
-                drafts[i].append(t)
-        for sr, d in zip(srs, drafts):
-            sr.spec_token_ids[:] = d
+            cols.append((live, self._pick(logits, sub, rows, probs)))
+        _read_back(cols, srs)
+        for sr in srs:
             # the draft wrote KV up to the position before its last draft
-            self._state[sr.request.request_id] = (sr.num_tokens + len(d) - 1, sr.request.num_preemptions)
+            self._state[sr.request.request_id] = (sr.num_tokens + len(sr.spec_token_ids) - 1,
+                                                  sr.request.num_preemptions)
         return {rid: torch.stack(ps) for rid, ps in probs.items()}
 
     def _forward(self, ids, pos, slots, seq_lens, q_lens, tables, logit_rows) -> torch.Tensor:
+        """The draft's logits (float32 [len(logit_rows), V]) over rows of token ``ids`` (a
+        host list, or int64 on the device) at positions ``pos``."""
         r = self.runner
         num_decodes = len(q_lens) if all(q == 1 for q in q_lens) else 0
         hidden = r.decode_graphs.run_rows(ids, list(pos), tables) \
             if num_decodes and r.decode_graphs is not None else None
         if hidden is None:
             meta = r.attention_metadata(slots, seq_lens, q_lens, tables, num_decodes)
-            hidden = r.model(r.h2d(ids, torch.int64), r.h2d(list(pos), torch.int64), meta)
+            ids_t = ids if torch.is_tensor(ids) else r.h2d(ids, torch.int64)
+            hidden = r.model(ids_t, r.h2d(list(pos), torch.int64), meta)
         if len(logit_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, r.h2d(logit_rows, torch.int64))
         return r.model.compute_logits(hidden)
@@ -188,3 +195,17 @@ class DraftModelProposer:
             for r, i in enumerate(sampled):
                 probs.setdefault(srs[i].request.request_id, []).append(q[r])
         return tok
+
+
+def _read_back(cols: list[tuple[list[int], torch.Tensor]], srs: list[ScheduledRequest]) -> None:
+    """Write the drafts into each sequence's ``spec_token_ids`` with one device read:
+    ``cols[j]`` holds draft ``j`` (int64 on the device) of the rows ``cols[j][0]``."""
+    flat = torch.cat([t for _, t in cols]).tolist()
+    drafts: list[list[int]] = [[] for _ in srs]
+    r = 0
+    for live, _ in cols:
+        for i in live:
+            drafts[i].append(flat[r])
+            r += 1
+    for sr, d in zip(srs, drafts):
+        sr.spec_token_ids[:] = d

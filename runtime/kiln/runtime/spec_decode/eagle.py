@@ -27,7 +27,8 @@ import torch
 from ..core.sched_output import SchedulerOutput
 from ..model.eagle import EagleHead, aux_layers, eagle_kind, read_head_config
 from ..model.layers import set_kernel_options
-from .draft import DraftModelProposer
+from .draft import DraftModelProposer, _read_back
+from .eagle_graphs import EagleHeadGraphs
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,14 @@ class EagleProposer(DraftModelProposer):
         k: drafts per sequence and step (tokens).
         head: the loaded :class:`EagleHead` (KV cache bound).
         target_runner: the target's ``ModelRunner`` (embedding, LM head, metadata helpers).
+        graphs: the head's captured one-token steps (None: they run eagerly).
     """
 
     needs_model = True
 
-    def __init__(self, k: int, head: EagleHead, target_runner):
+    def __init__(self, k: int, head: EagleHead, target_runner, graphs: EagleHeadGraphs | None = None):
         self.k = k
+        self.graphs = graphs  # the head's one-token steps as CUDA graphs (None: eager)
         self.head = head
         self.runner = target_runner
         self.block_size = target_runner.block_size
@@ -105,9 +108,14 @@ class EagleProposer(DraftModelProposer):
             if runner.decode_graphs is not None:  # recapture: the graphs must keep the streams too
                 runner.decode_graphs = None
                 runner.capture_cuda_graphs(target.max_model_len)
+        head = head.eval()
+        graphs = None
+        if runner.decode_graphs is not None and runner.decode_graphs.graphs:
+            graphs = EagleHeadGraphs(head, runner, config.max_batch_size)
+            graphs.capture()
         log.info("%s head %s loaded for speculative decoding (%d drafts per step)", kind, folder,
                  config.num_speculative_tokens)
-        return cls(config.num_speculative_tokens, head.eval(), runner)
+        return cls(config.num_speculative_tokens, head, runner, graphs)
 
     # -- the target's features ----------------------------------------------------------------
     def on_target_features(self, ordered, hidden: torch.Tensor) -> None:
@@ -167,29 +175,41 @@ class EagleProposer(DraftModelProposer):
         last = [sum(q_lens[: i + 1]) - 1 for i in range(len(srs))]
         logits, h = self._head_forward(ids, pos, torch.cat(feats), slots, seq_lens, q_lens, tables, last, True)
         probs: dict[str, list[torch.Tensor]] = {}
-        drafts = [[t] for t in self._pick(logits, srs, rows, probs).tolist()]
+        # the drafts stay on the device (each step reads the last one there) and are read
+        # back once, at the end
+        cols = [(list(range(len(srs))), self._pick(logits, srs, rows, probs))]
         for j in range(1, max(sr.num_spec_tokens for sr in srs)):
             live = [i for i, sr in enumerate(srs) if sr.num_spec_tokens > j]
             sub = [srs[i] for i in live]
-            idx = self.runner.h2d(live, torch.int64)
+            prev_rows, prev = cols[-1]
+            if len(live) != len(prev_rows):  # rows of prev are the previous live ones
+                at = {r: k for k, r in enumerate(prev_rows)}
+                prev = prev.index_select(0, self.runner.h2d([at[i] for i in live], torch.int64))
+            idx = self.runner.h2d(live, torch.int64) if len(live) != len(srs) else None
+            feats = h if idx is None else h.index_select(0, idx)
             p = [sr.num_tokens + j - 2 for sr in sub]  # the position of the row that reads draft j
-            logits, hn = self._head_forward(
-                [drafts[i][-1] for i in live], p, h.index_select(0, idx),
-                [sr.block_ids[q // bs] * bs + q % bs for sr, q in zip(sub, p)], [q + 1 for q in p], [1] * len(sub),
-                [sr.block_ids for sr in sub], list(range(len(sub))), False)
-            h = h.index_copy(0, idx, hn)
-            for i, t in zip(live, self._pick(logits, sub, rows, probs).tolist()):
-                drafts[i].append(t)
-        for sr, d in zip(srs, drafts):
-            sr.spec_token_ids[:] = d
+            tables = [sr.block_ids for sr in sub]
+            stepped = self.graphs.run(prev, feats, p, tables) if self.graphs is not None else None
+            if stepped is None:
+                stepped = self._head_forward(prev, p, feats, [sr.block_ids[q // bs] * bs + q % bs
+                                                              for sr, q in zip(sub, p)],
+                                             [q + 1 for q in p], [1] * len(sub), tables, list(range(len(sub))), False)
+            logits, hn = stepped
+            h = hn if idx is None else h.index_copy(0, idx, hn)
+            cols.append((live, self._pick(logits, sub, rows, probs)))
+        _read_back(cols, srs)
+        for sr in srs:
             self._pending.pop(sr.request.request_id, None)
         return {rid: torch.stack(ps) for rid, ps in probs.items()}
 
     def _head_forward(self, ids, pos, feats, slots, seq_lens, q_lens, tables, logit_rows, fuse):
+        """The head's eager forward over rows of token ``ids`` (a host list, or int64 on the
+        device) at positions ``pos`` with features ``feats``: float32 logits and the next
+        features of the rows ``logit_rows``."""
         r = self.runner
         num_decodes = len(q_lens) if all(q == 1 for q in q_lens) else 0
         meta = r.attention_metadata(slots, seq_lens, q_lens, tables, num_decodes)
-        ids_t = r.h2d(ids, torch.int64)
+        ids_t = ids if torch.is_tensor(ids) else r.h2d(ids, torch.int64)
         emb = self.head.embed_tokens(ids_t) if self.head.embed_tokens is not None else \
             r.model.model.embed_tokens(ids_t)
         for_logits, nxt = self.head(emb, feats, r.h2d(list(pos), torch.int64), meta, fuse)
