@@ -384,8 +384,12 @@ def test_metrics_expose_spec_decode_counters():
               prefix_cache_hits=0)
     m.on_step(StepStats(**st, spec_decode=s))
     s.observe(3, 0)
-    m.on_step(StepStats(**st, spec_decode=s))
+    m.on_step(StepStats(**st, spec_decode=s, spec_switch_off={"1-1": {"speculative": 250.0, "plain": 180.0},
+                                                              "2-2": {"speculative": None, "plain": 300.0}}))
     text = m.render().decode()
+    rate = 'kiln_spec_decode_output_tokens_per_second{batch_sizes="%s",mode="%s",model_name="m"} %s'
+    assert rate % ("1-1", "speculative", "250.0") in text and rate % ("1-1", "plain", "180.0") in text
+    assert rate % ("2-2", "plain", "300.0") in text and 'batch_sizes="2-2",mode="speculative"' not in text
     assert 'kiln_spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
     assert 'kiln_spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
     assert 'kiln_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text

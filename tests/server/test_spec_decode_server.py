@@ -34,3 +34,5 @@ def test_streamed_completion_and_spec_metrics(spec_server):
     assert drafts > 0 and 0 < accepted <= drafts
     assert spec_server.metric("kiln_spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
     assert spec_server.metric("kiln_spec_decode_mean_accepted_length") > 1.0
+    # the switch-off's measured rate of the one-sequence bucket, with drafts
+    assert spec_server.metric("kiln_spec_decode_output_tokens_per_second", batch_sizes="1-1", mode="speculative") > 0

@@ -104,6 +104,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "Speculative decoding: accepted over proposed draft tokens since start (0-1)."),
     MetricSpec("kiln_spec_decode_mean_accepted_length", "gauge",
                "Speculative decoding: tokens per verifying sequence-step since start, accepted drafts + 1."),
+    MetricSpec("kiln_spec_decode_output_tokens_per_second", "gauge",
+               "Speculative decoding: output tokens per second measured by the switch-off per batch-size bucket "
+               "(batch_sizes \"3-4\": steps of 3 or 4 sequences), with drafts (mode=speculative) and without "
+               "(mode=plain); decayed, recent steps weigh most. Where both are measured the faster mode runs "
+               "(unless a fixed --speculative-disable-by-batch-size is set).", labels=("batch_sizes", "mode")),
     MetricSpec("kiln_process_cpu_seconds", "gauge", "CPU time used by a server process, user + system (seconds).",
                labels=("process",)),
     MetricSpec("kiln_process_resident_memory_bytes", "gauge", "Resident memory of a server process (bytes).",

@@ -59,8 +59,8 @@ class StepStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    # speculative decoding's cumulative counts (a ``SpecDecodeStats``; None: off)
-    spec_decode: object = None
+    spec_decode: object = None  # speculative decoding's cumulative counts (``SpecDecodeStats``; None: off)
+    spec_switch_off: dict | None = None  # its measured output tok/s per batch-size bucket (``SwitchOff.rates``)
 
 
 class StatLogger(Protocol):
@@ -418,7 +418,8 @@ class EngineCore:
                 num_prompt_tokens=0, num_cached_prompt_tokens=0, num_generation_tokens=num_gen, num_scheduled_tokens=0,
                 num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
                 num_preemptions_total=sched.num_preemptions_total, prefix_cache_queries=kv.prefix_cache_queries,
-                prefix_cache_hits=kv.prefix_cache_hits, spec_decode=self.spec.stats if self.spec else None))
+                prefix_cache_hits=kv.prefix_cache_hits, spec_decode=self.spec.stats if self.spec else None,
+                spec_switch_off=self.spec.switch_off.rates() if self.spec else None))
         return outputs
 
     def _on_run(self, seq: _Seq, run: list[int], lps, now: float) -> CoreOutput:

@@ -107,6 +107,11 @@ class Metrics:
                 self._last[key] = value
         if getattr(stats, "spec_decode", None) is not None:
             self._on_spec(stats.spec_decode)
+        for bucket, rates in (getattr(stats, "spec_switch_off", None) or {}).items():
+            for mode, rate in rates.items():
+                if rate is not None:
+                    self._built["kiln_spec_decode_output_tokens_per_second"].labels(
+                        self.model_name, bucket, mode).set(rate)
 
     def _on_spec(self, spec) -> None:
         """Speculative decoding counters from the core's cumulative ``SpecDecodeStats``."""
