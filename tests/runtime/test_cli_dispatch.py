@@ -65,3 +65,15 @@ def test_a_subcommand_whose_flags_cannot_import_stays_in_the_help():
     r = run_blocked("kiln.runtime.build_cli", "--help")
     assert r.returncode == 0, r.stderr
     assert "build" in r.stdout and "quantize and compile a model into an engine" in r.stdout
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "abc"], ["serve", "--num-speculative-tokens", "abc"],
+                                  ["nope"], ["bench", "offline", "--quantization", "int3"]])
+def test_a_usage_error_is_one_line_with_exit_2(argv, capsys):
+    from kiln.runtime.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert ": error: " in err[0] and err[0].endswith("--help)"), err[0]

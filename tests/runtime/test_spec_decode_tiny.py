@@ -400,3 +400,39 @@ class _EagerHeadGraph:
             graphs.outputs[bs][1].copy_(nxt)
 
         self.replay = replay
+
+
+# ---- a draft or head that cannot serve: one ValueError naming the speculative model -----
+def test_bad_speculative_models_are_refused_with_what_is_wrong(tiny, tmp_path):
+    """A corrupt EAGLE weights file, an EAGLE config.json that is no JSON, a draft whose
+    context is shorter than the served one, and a draft of the target's vocabulary size whose
+    tokenizer spells other tokens: each a ValueError that names the speculative model and the
+    fault (``kiln serve`` turns it into one line and exit 2)."""
+    import shutil
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (head / "model.safetensors").write_bytes(b"garbage\n")
+    with pytest.raises(ValueError, match=r"speculative model .*head: the EAGLE head's weights cannot be read"):
+        _llm(tiny, speculative_method="eagle", speculative_model=str(head))
+    (head / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"speculative model .*head: the EAGLE head's config.json: cannot be read"):
+        _llm(tiny, speculative_method="eagle", speculative_model=str(head))
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny, short)
+    (short / "config.json").write_text(json.dumps(dict(TINY_CONFIG, max_position_embeddings=64)))
+    with pytest.raises(ValueError, match=r"speculative model .*short: max_model_len 128 is larger than the model's"):
+        _llm(tiny, max_model_len=128, speculative_method="draft", speculative_model=str(short))
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    names = sorted((t for t, i in vocab.items() if 300 <= i < 400), key=vocab.get)
+    for t, i in zip(names, reversed([vocab[t] for t in names])):  # the same tokens, other ids
+        vocab[t] = i
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"speculative model .*other: 100 of its 512 token ids spell other tokens"):
+        _llm(tiny, speculative_method="draft", speculative_model=str(other))

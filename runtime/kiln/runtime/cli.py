@@ -344,9 +344,17 @@ def _add_subcommand(sub, cmd: Subcommand) -> None:
     p.set_defaults(func=functools.partial(_run, cmd))
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line and exit 2, without the usage block
+    (``--help`` prints it); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kiln`` parser with every subcommand of ``SUBCOMMANDS``."""
-    parser = argparse.ArgumentParser(prog="kiln", description="Kiln: LLM inference runtime and Kubernetes operator")
+    parser = OneLineErrorParser(prog="kiln", description="Kiln: LLM inference runtime and Kubernetes operator")
     parser.add_argument("--log-level", default=os.environ.get("KILN_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd in SUBCOMMANDS:

@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, ModelConfigError
 from .layers import QKVParallelLinear, ReplicatedLinear, RMSNorm, default_weight_loader
 from .llama import LlamaAttention, LlamaMLP
 
@@ -155,6 +155,9 @@ class EagleHead(nn.Module):
 
 def read_head_config(folder: Path) -> tuple[ModelConfig, dict]:
     """The head's decoder shape and raw ``config.json`` (ModelConfigError when malformed)."""
-    raw = json.loads((folder / "config.json").read_text())
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"config.json: cannot be read: {e}") from None
     shaped = dict(raw, num_hidden_layers=1, architectures=["LlamaForCausalLM"], model_type="llama")
     return ModelConfig.from_hf_dict(shaped), raw

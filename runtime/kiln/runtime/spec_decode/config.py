@@ -75,7 +75,7 @@ class SpeculativeConfig:
         """Before the target loads (the draft or head is read after it): an EAGLE head's
         folder must hold its config (ValueError otherwise)."""
         if self.method == "eagle" and not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"speculative_model {self.model}: an EAGLE head is a folder with config.json and its "
+            raise ValueError(f"speculative model {self.model}: an EAGLE head is a folder with config.json and its "
                              "weights (safetensors or pytorch_model.bin)")
 
     @property

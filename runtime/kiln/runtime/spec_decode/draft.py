@@ -28,6 +28,20 @@ from ..sampler import _filter_batch, _index
 
 log = logging.getLogger(__name__)
 
+#: Most token ids (a share of the vocabulary) whose strings may differ between a draft model's
+#: tokenizer and the target's (renamed special tokens) before the draft is refused.
+MAX_DIFFERING_TOKENS = 0.01
+
+
+def tokens_that_differ(a, b) -> int:
+    """How many token ids the transformers tokenizers ``a`` and ``b`` spell differently (an id
+    one has and the other lacks counts); 0 when either is None (token ids only)."""
+    if a is None or b is None:
+        return 0
+    ia = {i: t for t, i in a.get_vocab().items()}
+    ib = {i: t for t, i in b.get_vocab().items()}
+    return sum(ia.get(i) != ib.get(i) for i in ia.keys() | ib.keys())
+
 
 def draft_engine_args(target_args, source: str):
     """The draft model's ``EngineArgs``: the target's device, dtype, KV pool and context,
@@ -80,11 +94,22 @@ class DraftModelProposer:
         args = replace(args, num_kv_blocks=target.runner.num_kv_blocks, max_model_len=target.max_model_len)
         # catch-up forwards of up to k + 1 tokens per sequence (the tokens verified since the
         # last step) replay multi-token graphs; the first, over a whole prompt, runs eagerly
-        draft = load_model(args, catch_up_rows=config.num_speculative_tokens + 1)
+        try:
+            draft = load_model(args, catch_up_rows=config.num_speculative_tokens + 1)
+        except ValueError as e:  # e.g. a context shorter than the target's served one
+            raise ValueError(f"speculative model {config.model}: {e}") from None
         if draft.model_config.vocab_size != target.model_config.vocab_size:
             raise ValueError(f"speculative model {config.model}: its vocabulary has {draft.model_config.vocab_size} "
                              f"tokens, the target's {target.model_config.vocab_size}; a draft model must share the "
                              "target's tokenizer")
+        differ = tokens_that_differ(draft.tokenizer, target.tokenizer)
+        if differ > MAX_DIFFERING_TOKENS * target.model_config.vocab_size:
+            raise ValueError(f"speculative model {config.model}: {differ} of its {draft.model_config.vocab_size} "
+                             "token ids spell other tokens than the target's; a draft model must share the target's "
+                             "tokenizer")
+        if differ:
+            log.warning("speculative model %s: %d token ids spell other tokens than the target's (special tokens?); "
+                        "drafts of those tokens will be rejected", config.model, differ)
         log.info("draft model %s loaded for speculative decoding (%d drafts per step)", draft.model_ref,
                  config.num_speculative_tokens)
         return cls(config.num_speculative_tokens, draft.runner)

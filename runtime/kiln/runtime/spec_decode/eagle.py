@@ -78,7 +78,13 @@ class EagleProposer(DraftModelProposer):
             cfg, raw = read_head_config(folder)
         except ValueError as e:
             raise ValueError(f"speculative model {config.model}: the EAGLE head's {e}") from None
-        weights = _read_tensors(folder)
+        try:
+            weights = _read_tensors(folder)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001  (safetensors' and torch.load's errors have no common type)
+            raise ValueError(f"speculative model {config.model}: the EAGLE head's weights cannot be read: "
+                             f"{type(e).__name__}: {e}") from None
         kind = eagle_kind(weights)
         tcfg = target.model_config
         if cfg.hidden_size != tcfg.hidden_size:
