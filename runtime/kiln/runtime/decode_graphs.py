@@ -236,6 +236,7 @@ class DecodeGraphs:
 
     def _stage_decode(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
                       ph_dst: list[int], ph_src: list[int]) -> int:
+        """Stage one-token rows (host lists) into the decode graph inputs; returns the graph size."""
         n = len(tokens)
         bs = next(b for b in self.sizes if b >= n)
         blk = self.block_size

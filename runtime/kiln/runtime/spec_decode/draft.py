@@ -180,7 +180,7 @@ class DraftModelProposer:
                                    [q + 1 for q in p], [1] * len(sub), [sr.block_ids for sr in sub],
                                    list(range(len(sub))))
             cols.append((live, self._pick(logits, sub, rows, probs)))
-        _read_back(cols, srs)
+        read_back_drafts(cols, srs)
         for sr in srs:
             # the draft wrote KV up to the position before its last draft
             self._state[sr.request.request_id] = (sr.num_tokens + len(sr.spec_token_ids) - 1,
@@ -222,7 +222,7 @@ class DraftModelProposer:
         return tok
 
 
-def _read_back(cols: list[tuple[list[int], torch.Tensor]], srs: list[ScheduledRequest]) -> None:
+def read_back_drafts(cols: list[tuple[list[int], torch.Tensor]], srs: list[ScheduledRequest]) -> None:
     """Write the drafts into each sequence's ``spec_token_ids`` with one device read:
     ``cols[j]`` holds draft ``j`` (int64 on the device) of the rows ``cols[j][0]``."""
     flat = torch.cat([t for _, t in cols]).tolist()

@@ -27,7 +27,7 @@ import torch
 from ..core.sched_output import SchedulerOutput
 from ..model.eagle import EagleHead, aux_layers, eagle_kind, read_head_config
 from ..model.layers import set_kernel_options
-from .draft import DraftModelProposer, _read_back
+from .draft import DraftModelProposer, read_back_drafts
 from .eagle_graphs import EagleHeadGraphs
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class EagleProposer(DraftModelProposer):
             logits, hn = stepped
             h = hn if idx is None else h.index_copy(0, idx, hn)
             cols.append((live, self._pick(logits, sub, rows, probs)))
-        _read_back(cols, srs)
+        read_back_drafts(cols, srs)
         for sr in srs:
             self._pending.pop(sr.request.request_id, None)
         return {rid: torch.stack(ps) for rid, ps in probs.items()}
