@@ -132,12 +132,18 @@ def test_adapter_of_another_base_is_refused_and_serving_goes_on(lora_server):
 def test_load_unload_while_32_streams_run(lora_server):
     s, ads = lora_server
 
+    admitted: list[int] = []
+    all_admitted = asyncio.Event()
+
     async def stream(client, i: int, model: str) -> int:
         body = {"model": model, "prompt": list(range(5 + i, 45 + i)), "max_tokens": 48, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         n = 0
         async with client.stream("POST", f"{s.v1}/completions", headers=H, json=body) as r:
             assert r.status_code == 200, await r.aread()
+            admitted.append(i)  # its adapter resolved: the request holds it from here on
+            if len(admitted) == 32:
+                all_admitted.set()
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunk = json.loads(line[6:])
@@ -164,7 +170,14 @@ def test_load_unload_while_32_streams_run(lora_server):
             assert r.status_code == 200, r.text
             models = ["base", "a1", "leaving", "base"]
             tasks = [asyncio.create_task(stream(client, i, models[i % 4])) for i in range(32)]
-            await asyncio.sleep(0.5)
+            # unload once every stream is admitted (a loaded machine may take seconds to send
+            # all 32 requests); a stream that fails before that fails the test here
+            pending = {asyncio.create_task(all_admitted.wait()), *tasks}
+            while not all_admitted.is_set():
+                done, pending = await asyncio.wait(pending, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+                assert done, f"only {len(admitted)} of 32 streams admitted in 120 s"
+                for t in done:
+                    t.result()
             r = await client.post(f"{s.v1}/unload_lora_adapter", headers=H, json={"lora_name": "leaving"})
             assert r.status_code == 200, r.text
             await churn(client)
