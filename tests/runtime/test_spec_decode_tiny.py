@@ -403,7 +403,7 @@ class _EagerHeadGraph:
 
 
 # ---- a draft or head that cannot serve: one ValueError naming the speculative model -----
-def test_bad_speculative_models_are_refused_with_what_is_wrong(tiny, tmp_path):
+def test_bad_speculative_models_are_refused_with_what_is_wrong(tiny, tmp_path, caplog):
     """A corrupt EAGLE weights file, an EAGLE config.json that is no JSON, a draft whose
     context is shorter than the served one, and a draft of the target's vocabulary size whose
     tokenizer spells other tokens: each a ValueError that names the speculative model and the
@@ -436,3 +436,15 @@ def test_bad_speculative_models_are_refused_with_what_is_wrong(tiny, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match=r"speculative model .*other: 100 of its 512 token ids spell other tokens"):
         _llm(tiny, speculative_method="draft", speculative_model=str(other))
+    # two ids swapped (renamed special tokens, say): served, with a warning
+    few = tmp_path / "few"
+    shutil.copytree(tiny, few)
+    tok = json.loads((tiny_tok := Path(tiny) / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (few / "tokenizer.json").write_text(json.dumps(tok))
+    assert tiny_tok.read_text() != (few / "tokenizer.json").read_text()
+    with caplog.at_level("WARNING", logger="kiln.runtime.spec_decode.draft"):
+        _llm(tiny, speculative_method="draft", speculative_model=str(few))
+    assert "2 token ids spell other tokens than the target's" in caplog.text

@@ -171,10 +171,7 @@ class DraftModelProposer:
         for j in range(1, max(sr.num_spec_tokens for sr in srs)):
             live = [i for i, sr in enumerate(srs) if sr.num_spec_tokens > j]
             sub = [srs[i] for i in live]
-            prev_rows, prev = cols[-1]
-            if len(live) != len(prev_rows):  # rows of prev are the previous live ones
-                at = {r: k for k, r in enumerate(prev_rows)}
-                prev = prev.index_select(0, self.runner.h2d([at[i] for i in live], torch.int64))
+            prev = last_drafts(cols, live, self.runner)
             p = [sr.num_tokens + j - 1 for sr in sub]  # the position of draft j (0-based: j-1)
             logits = self._forward(prev, p, [sr.block_ids[q // bs] * bs + q % bs for sr, q in zip(sub, p)],
                                    [q + 1 for q in p], [1] * len(sub), [sr.block_ids for sr in sub],
@@ -220,6 +217,16 @@ class DraftModelProposer:
             for r, i in enumerate(sampled):
                 probs.setdefault(srs[i].request.request_id, []).append(q[r])
         return tok
+
+
+def last_drafts(cols: list[tuple[list[int], torch.Tensor]], live: list[int], runner) -> torch.Tensor:
+    """The latest drafts (int64 on the device) of the rows ``live``, a subset of the rows
+    ``cols[-1][0]`` that ``cols[-1][1]`` holds them for (``runner.h2d`` stages the gather)."""
+    rows, drafts = cols[-1]
+    if len(live) == len(rows):
+        return drafts
+    at = {r: k for k, r in enumerate(rows)}
+    return drafts.index_select(0, runner.h2d([at[i] for i in live], torch.int64))
 
 
 def read_back_drafts(cols: list[tuple[list[int], torch.Tensor]], srs: list[ScheduledRequest]) -> None:

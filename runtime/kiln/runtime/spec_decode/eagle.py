@@ -27,7 +27,7 @@ import torch
 from ..core.sched_output import SchedulerOutput
 from ..model.eagle import EagleHead, aux_layers, eagle_kind, read_head_config
 from ..model.layers import set_kernel_options
-from .draft import DraftModelProposer, read_back_drafts
+from .draft import DraftModelProposer, last_drafts, read_back_drafts
 from .eagle_graphs import EagleHeadGraphs
 
 log = logging.getLogger(__name__)
@@ -187,10 +187,7 @@ class EagleProposer(DraftModelProposer):
         for j in range(1, max(sr.num_spec_tokens for sr in srs)):
             live = [i for i, sr in enumerate(srs) if sr.num_spec_tokens > j]
             sub = [srs[i] for i in live]
-            prev_rows, prev = cols[-1]
-            if len(live) != len(prev_rows):  # rows of prev are the previous live ones
-                at = {r: k for k, r in enumerate(prev_rows)}
-                prev = prev.index_select(0, self.runner.h2d([at[i] for i in live], torch.int64))
+            prev = last_drafts(cols, live, self.runner)
             idx = self.runner.h2d(live, torch.int64) if len(live) != len(srs) else None
             feats = h if idx is None else h.index_select(0, idx)
             p = [sr.num_tokens + j - 2 for sr in sub]  # the position of the row that reads draft j
