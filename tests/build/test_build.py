@@ -142,6 +142,16 @@ def test_kv_fp8_engine_uses_fp8_cache(tiny_engines):
     assert attn.k_cache.dtype == torch.float8_e4m3fn and attn.k_scale.shape == (2, 1) and bool((attn.k_scale > 0).all())
 
 
+def test_fp8_kv_cache_flag_against_the_engines_own(tiny_engines):
+    """--kv-cache-dtype fp8 serves an engine with calibrated KV scales and refuses one without."""
+    from kiln.runtime import LLM
+
+    llm = LLM(engine=str(tiny_engines["kv-fp8"]), kv_cache_dtype="fp8", num_kv_blocks=16)
+    assert llm.engine.runner.kv_cache_dtype() == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="has no FP8 KV scales .built with --kv-cache-dtype auto.: rebuild it"):
+        LLM(engine=str(tiny_engines["fp8"]), kv_cache_dtype="fp8", num_kv_blocks=16)
+
+
 # -- determinism -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(quantization="int4-gptq", group_size=32), dict(quantization="fp8"),
                                 dict(quantization="int4-awq", group_size=32, kv_cache_dtype="fp8")])

@@ -119,6 +119,8 @@ def test_bad_flags_are_one_error_and_exit_2(args, message, capsys):
     (["serve", "--engine", "e", "--load-format", "dummy"], "--load-format dummy applies to a --model"),
     (["serve", "--url", "http://127.0.0.1:1", "--json", "/proc/x.json"], "cannot write --json /proc/x.json"),
     (["offline", "--model", "m", "--quantization", "fp8"], "applies only to random weights (--load-format dummy)"),
+    (["offline", "--model", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 needs calibrated KV scales"),
+    (["offline", "--load-format", "dummy", "--kv-cache-dtype", "int8"], "invalid choice: 'int8'"),
     (["offline", "--load-format", "dummy", "--quantization", "fp8", "--peer", "transformers"],
      "cannot be compared with --quantization fp8"),
 ])

@@ -9,6 +9,7 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from kiln.runtime.bench_common import SHAREGPT_MEAN_INPUT_LEN, make_lognormal_workload
 from kiln.runtime.bench_serve import RequestResult, arrival_gaps, summarize
@@ -85,6 +86,48 @@ def test_random_weights_quantized_at_load(tmp_path, method, kind):
     assert linears and {type(m.quant_method).__name__ for m in linears} == {kind}
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_random_weights_with_an_fp8_kv_cache(tmp_path):
+    """--kv-cache-dtype fp8 with random weights: an E4M3 cache with scales for the init, under
+    which the cached K/V rarely saturate and dequantize to the float32 cache's values within
+    E4M3's rounding."""
+    from kiln.runtime import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]
+    model = _tiny(tmp_path)
+    kw = dict(model=model, load_format="dummy", quantization="fp8", device="cpu", num_kv_blocks=32,
+              enable_prefix_caching=False)
+    llm = LLM(kv_cache_dtype="fp8", **kw)
+    assert llm.engine.runner.kv_cache_dtype() == torch.float8_e4m3fn
+    attn = llm.engine.runner.model.attention_layers()[0]
+    assert attn.k_cache.dtype == torch.float8_e4m3fn and attn.k_scale.shape == (2, 1)
+    assert torch.allclose(attn.k_scale, torch.full((2, 1), 6 * 0.02 * 128 ** 0.5 / 448))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(prompts, sp))
+    one = SamplingParams(max_tokens=1, temperature=0.0)  # the prompts' K/V only: the same inputs on both sides
+    llm = LLM(kv_cache_dtype="fp8", **kw)
+    llm.generate(prompts, one)
+    attn = llm.engine.runner.model.attention_layers()[0]
+    plain = LLM(**kw)
+    assert plain.engine.runner.kv_cache_dtype() == torch.float32
+    plain.generate(prompts, one)
+    ref = plain.engine.runner.model.attention_layers()[0]
+    for cache, scale, want in ((attn.k_cache, attn.k_scale, ref.k_cache), (attn.v_cache, attn.v_scale, ref.v_cache)):
+        used = want != 0  # the slots both engines wrote (the same block ids: one allocator order)
+        assert used.sum() > 100
+        assert (cache.float().abs()[used] >= 448).float().mean() < 0.01  # the range fits the init
+        got = (cache.float() * scale.view(1, 1, 2, 1))[used]
+        assert (got - want[used]).norm() / want[used].norm() < 0.05  # E4M3: 3 mantissa bits
+
+
+def test_fp8_kv_cache_refused_without_scales(tmp_path):
+    from kiln.runtime.config import EngineArgs
+
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs calibrated KV scales"):
+        EngineArgs(model=_tiny(tmp_path), kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8, got 'int8'"):
+        EngineArgs(model="m", load_format="dummy", kv_cache_dtype="int8")
 
 
 def test_quantized_at_load_refuses_a_group_size_that_does_not_divide(tmp_path):

@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
                    help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: an FP8 (E4M3) KV cache, twice the tokens per GiB; needs an engine built with "
+                        "`kiln build --kv-cache-dtype fp8` (calibrated scales) or --load-format dummy. auto: the "
+                        "model dtype, or the engine's own")
     p.add_argument("--scheduler-policy", choices=["max_utilization", "guaranteed_no_evict"], default="max_utilization")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable KV block reuse across requests")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -102,6 +106,7 @@ def engine_args_from(ns: argparse.Namespace):
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len, block_size=ns.block_size,
         kv_cache_memory_fraction=ns.kv_cache_memory_fraction, num_kv_blocks=ns.num_kv_blocks,
+        kv_cache_dtype=ns.kv_cache_dtype,
         scheduler_policy=ns.scheduler_policy, enable_prefix_caching=not ns.no_prefix_caching,
         load_format=ns.load_format, seed=ns.seed, served_model_name=getattr(ns, "served_model_name", None),
         enable_cuda_graphs=not ns.no_cuda_graphs, async_scheduling=False if ns.no_async_scheduling else None,

@@ -82,6 +82,10 @@ class EngineArgs:
     # benchmark runs the quantized kernels without an engine.  A real model is quantized by
     # ``kiln build``; an engine carries its own quantization.
     quantization: str = "none"
+    # auto: the model dtype, or an engine's own FP8 KV cache (kiln build --kv-cache-dtype fp8).
+    # fp8: an FP8 (E4M3) KV cache, half the bytes per token: an engine built with calibrated
+    # KV scales, or random weights (load_format dummy) with scales set for their init.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     served_model_name: str | None = None
     # How to reach the Hugging Face Hub for a ``model`` ``hf://org/name[@rev]`` or ``org/name``
@@ -226,6 +230,7 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         self._check_quantization()
+        self._check_kv_cache_dtype()
         if self.lora_enabled:
             self.lora_config()  # refuses max_loras < 1, a rank outside 1..64, too few cpu loras, no lora_dir
         elif self.lora_dir is not None:
@@ -237,6 +242,16 @@ class EngineArgs:
             raise ValueError("speculative decoding is not served with tensor_parallel_size > 1 yet (the "
                              "workers verify no drafts)")
 
+
+    def _check_kv_cache_dtype(self) -> None:
+        """``fp8`` needs KV scales: an engine's (checked against its manifest at load) or the
+        random init's (ValueError for a model loaded from a checkpoint)."""
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and not self.engine and self.load_format != "dummy":
+            raise ValueError("kv_cache_dtype fp8 needs calibrated KV scales: build an engine with `kiln build "
+                             "--kv-cache-dtype fp8` and serve it (--engine), or use random weights (load_format "
+                             "dummy)")
 
     def _check_quantization(self) -> None:
         """Quantization at load is for random weights only (ValueError otherwise)."""

@@ -116,7 +116,8 @@ class ModelRunner:
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shape (``--load-format dummy``), scaled like a trained
         model's (normal, std 0.02; norms at 1) so activations stay in range; quantized by
-        rounding to nearest when ``args.quantization`` names a method (``quantization.rtn``)."""
+        rounding to nearest when ``args.quantization`` names a method (``quantization.rtn``);
+        with ``args.kv_cache_dtype`` fp8, KV scales for this init (``kv_fp8.install_dummy_scales``)."""
         g = torch.Generator(device=self.device).manual_seed(seed)
         for name, p in self.model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -127,6 +128,11 @@ class ModelRunner:
             from .quantization.rtn import quantize_model_rtn  # noqa: PLC0415
 
             quantize_model_rtn(self.model, self.args.quantization)
+        if self.args.kv_cache_dtype == "fp8":
+            from .quantization import kv_fp8  # noqa: PLC0415
+
+            kv_fp8.install_dummy_scales(self.model, self.model_config, self.device)
+            self.kv_cache_torch_dtype = kv_fp8.KV_DTYPE
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -92,6 +92,10 @@ def load_model(args: EngineArgs, tp=None, catch_up_rows: int = 0) -> LoadedModel
         from ..engine_folder import open_engine  # noqa: PLC0415  (kiln build's output)
 
         eng = open_engine(args.engine, verify=args.verify_checksums)
+        if args.kv_cache_dtype == "fp8" and eng.kv_cache_dtype != "fp8":
+            raise ValueError(f"engine {args.engine} has no FP8 KV scales (built with --kv-cache-dtype "
+                             f"{eng.kv_cache_dtype}): rebuild it with `kiln build --kv-cache-dtype fp8`, or serve "
+                             f"it with --kv-cache-dtype auto")
         cfg: ModelConfig = eng.model_config
         check_max_model_len(args, cfg)
         # the engine's build limit (TensorRT-LLM's max_seq_len): serve at most that context

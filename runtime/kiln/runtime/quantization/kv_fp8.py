@@ -39,3 +39,16 @@ def install_scales(model: nn.Module, tensors: dict[str, torch.Tensor], device) -
     for i, attn in enumerate(model.attention_layers()):
         attn.k_scale = tensors[f"model.layers.{i}.self_attn.attn.k_scale"].to(device=device, dtype=torch.float32)
         attn.v_scale = tensors[f"model.layers.{i}.self_attn.attn.v_scale"].to(device=device, dtype=torch.float32)
+
+
+def install_dummy_scales(model: nn.Module, config, device) -> None:
+    """KV scales for random weights (``load_format dummy``, normal with std 0.02, norms at 1).
+
+    A projection of a normalized hidden state (RMS 1) with such weights has entries of standard
+    deviation ``0.02 * sqrt(hidden_size)``; RoPE rotates pairs, so K keeps that spread.  The
+    range is set at 6 standard deviations (larger values saturate at +-448): timing depends
+    on the dtype, not on the scale, and no text is read from random weights.
+    """
+    layers = model.attention_layers()
+    absmax = torch.full((layers[0].num_kv_heads,), 6.0 * 0.02 * float(config.hidden_size) ** 0.5)  # this rank's heads
+    install_scales(model, scale_tensors([(absmax, absmax)] * len(layers)), device)
