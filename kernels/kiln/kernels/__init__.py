@@ -16,6 +16,7 @@ kernel                      module                         reference
 ``gemv``                    ``gemv``                       ``gemv_ref``
 ``w4a16_gemm``              ``w4a16``                      ``w4a16_ref``
 ``per_token_quant_fp8``     ``fp8_quant``                  ``per_token_quant_fp8_ref``
+``silu_and_mul_quant_fp8``  ``fp8_quant``                  ``silu_and_mul_quant_fp8_ref``
 ==========================  =============================  ===============================
 
 ``build_cos_sin_cache`` (reference module) builds the rotary table both use; the int4

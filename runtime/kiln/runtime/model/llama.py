@@ -113,7 +113,13 @@ class LlamaMLP(nn.Module):
         # a quantization method may fuse SwiGLU into the gate|up GEMM (int4: the GEMV epilogue)
         fused = getattr(self.gate_up_proj.quant_method, "apply_silu_and_mul", None)
         h = fused(self.gate_up_proj, x) if fused is not None else None
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)) if h is None else h)
+        if h is not None:
+            return self.down_proj(h)
+        gate_up = self.gate_up_proj(x)
+        # or SwiGLU into the down projection's input quantization (fp8: one kernel for both)
+        after = getattr(self.down_proj.quant_method, "apply_after_swiglu", None)
+        y = after(self.down_proj, gate_up) if after is not None else None
+        return self.down_proj(self.act_fn(gate_up)) if y is None else y
 
 
 class LlamaDecoderLayer(nn.Module):

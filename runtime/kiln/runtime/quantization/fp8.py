@@ -86,6 +86,23 @@ class Fp8LinearMethod(LinearMethod):
         return F.linear((xq.float() * xs).to(x.dtype), w, layer.bias)
 
 
+    def apply_after_swiglu(self, layer, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``layer(silu_and_mul(gate_up))`` with SwiGLU and the activation quantization in one
+        kernel (``kiln.kernels.fp8_quant.silu_and_mul_quant_fp8``, bit-identical to the two
+        kernels); None where the fused kernel does not apply (the CPU, float32, a row-parallel
+        shard at tensor-parallel size > 1, whose scale needs the whole row's max)."""
+        if layer.tp_size > 1 or not _scaled_mm_ok(gate_up[:, : gate_up.shape[1] // 2], layer):
+            return None
+        try:
+            from kiln.kernels.fp8_quant import silu_and_mul_quant_fp8  # noqa: PLC0415
+        except Exception:  # pragma: no cover - kernels unavailable
+            return None
+        xq, xs = silu_and_mul_quant_fp8(gate_up)
+        y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
+                             out_dtype=gate_up.dtype, use_fast_accum=True)
+        return y if layer.bias is None else y + layer.bias
+
+
 def _quant_kernel():
     """The fused per-token quantizer (``kiln.kernels.fp8_quant``), or the torch one."""
     try:

@@ -1,0 +1,88 @@
+"""SwiGLU fused with the per-token FP8 quantization of its output (the down projection's
+input), against the torch reference; on the GPU also bit for bit against the two kernels it
+replaces (``silu_and_mul`` then ``per_token_quant_fp8``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels.fp8_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_ref
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def _gate_up(T: int, inter: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(T * 7 + inter)
+    x = torch.randn(T, 2 * inter, generator=g) * 3
+    x[0, 3] = 40.0  # a large gate: the row's scale follows it
+    x[-1] = 0.0  # an all-zero row: the smallest scale, zeros out
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("T,inter", [(1, 256), (5, 576), (3, 1000)] + ([(768, 14336)] if HAS_CUDA else []))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_quant_fp8_against_the_reference(T, inter, dtype):
+    x = _gate_up(T, inter, dtype)
+    q, s = silu_and_mul_quant_fp8(x)
+    qr, sr = silu_and_mul_quant_fp8_ref(x.cpu())
+    assert q.shape == (T, inter) and q.dtype == torch.float8_e4m3fn and s.shape == (T, 1) and s.dtype == torch.float32
+    # the activation is rounded to x's dtype before its max: scales agree to one ulp of it
+    assert torch.allclose(s.cpu(), sr, rtol=1e-2, atol=0)
+    assert float(s[-1]) == pytest.approx(1e-12 / 448) and not q[-1].float().any()
+    if HAS_CUDA:  # the interpreter's float8 cast is not round-to-nearest (125.9 -> 64): scales only there
+        assert rel_err(q.cpu().float() * s.cpu(), qr.float() * sr) < 0.02
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="compares compiled kernels bit for bit; the interpreter's float8 cast "
+                                         "rounds differently")
+@pytest.mark.parametrize("T,inter", [(1, 14336), (7, 576), (512, 14336)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_equals_the_two_kernels(T, inter, dtype):
+    from kiln.kernels.activation import silu_and_mul
+    from kiln.kernels.fp8_quant import per_token_quant_fp8
+
+    x = _gate_up(T, inter, dtype)
+    q, s = silu_and_mul_quant_fp8(x)
+    q2, s2 = per_token_quant_fp8(silu_and_mul(x))
+    assert torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda: torch.zeros(4, 6, dtype=torch.float32), "float16 or bfloat16"),
+    (lambda: torch.zeros(4, 7, dtype=torch.bfloat16), "2 \\* I"),
+    (lambda: torch.zeros(8, 4, dtype=torch.bfloat16).t(), "contiguous last dimension"),
+    (lambda: torch.zeros(2, 2, 4, dtype=torch.bfloat16), "2-D"),
+])
+def test_bad_input(bad, message):
+    with pytest.raises(ValueError, match=message):
+        silu_and_mul_quant_fp8(bad().to(DEVICE))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the fused path runs on CUDA only (torch._scaled_mm)")
+def test_fp8_mlp_takes_the_fused_path_with_the_same_output():
+    """An FP8 Llama MLP (weights rounded to nearest) gives bit-identical output through the
+    fused SwiGLU + quantization and through SiLU-and-mul then the down projection."""
+    from kiln.runtime.model.config import ModelConfig
+    from kiln.runtime.model.llama import LlamaForCausalLM
+    from kiln.runtime.quantization.rtn import quantize_model_rtn
+
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 512,
+        "intermediate_size": 1536, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.05)
+    quantize_model_rtn(model, "fp8")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
+    gate_up = mlp.gate_up_proj(x)
+    assert mlp.down_proj.quant_method.apply_after_swiglu(mlp.down_proj, gate_up) is not None
+    assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(gate_up)))
