@@ -37,7 +37,8 @@ _F32 = "*fp32"
 
 # kernel name -> (jit function, pointer types, other non-i32 scalar types, constexprs, warps, stages)
 KERNELS = {
-    "rms_norm": (norm._rms_norm_kernel, {}, {"eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096), 8, 1),
+    "rms_norm": (norm._rms_norm_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": _F32}, {"eps": "fp32"},
+                 dict(HAS_RESIDUAL=True, BLOCK=4096), 8, 1),
     "silu_and_mul": (activation._silu_and_mul_kernel, {}, {}, dict(BLOCK=1024), 4, 1),
     "rotary": (rotary._rotary_kernel, {"pos_ptr": "*i64"}, {}, dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64), 4, 1),
     "reshape_and_cache": (cache._reshape_and_cache_kernel, {"slot_ptr": "*i64", "k_scale_ptr": _F32,

@@ -86,3 +86,79 @@ def test_fp8_mlp_takes_the_fused_path_with_the_same_output():
     gate_up = mlp.gate_up_proj(x)
     assert mlp.down_proj.quant_method.apply_after_swiglu(mlp.down_proj, gate_up) is not None
     assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(gate_up)))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("T,H", [(1, 256), (9, 576)] + ([(768, 4096)] if HAS_CUDA else []))
+def test_rms_norm_quant_fp8(T, H, residual):
+    """The norm's outputs are the plain norm's; q and scales quantize the normalized row (on the
+    GPU bit for bit as per_token_quant_fp8 of it)."""
+    from kiln.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_quant_fp8
+    from kiln.kernels.reference import per_token_quant_fp8_ref
+
+    g = torch.Generator().manual_seed(T + H)
+    x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+    r = (torch.randn(T, H, generator=g)).to(torch.bfloat16).to(DEVICE) if residual else None
+    w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    x0 = x.clone()
+    out, res_out, q, s = rms_norm_quant_fp8(x, w, 1e-6, r)
+    assert torch.equal(x, x0)  # inputs untouched
+    if residual:
+        want, want_res = fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(res_out, want_res)
+    else:
+        want = rms_norm(x, w, 1e-6)
+        assert res_out is None
+    assert torch.equal(out, want)
+    _, sr = per_token_quant_fp8_ref(want.cpu())
+    assert torch.equal(s.cpu(), sr)
+    if HAS_CUDA:
+        from kiln.kernels.fp8_quant import per_token_quant_fp8
+
+        q2, s2 = per_token_quant_fp8(want)
+        assert torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the fused path runs on CUDA only (torch._scaled_mm)")
+def test_fp8_decoder_layer_with_fused_norm_quantization_is_unchanged(monkeypatch):
+    """A whole FP8 decoder stack: the norms quantizing for the QKV and gate|up projections give
+    the same hidden states as the separate quantization kernels."""
+    from kiln.runtime.attention import AttentionMetadata
+    from kiln.runtime.model.config import ModelConfig
+    from kiln.runtime.model.llama import LlamaForCausalLM
+    from kiln.runtime.quantization.fp8 import Fp8LinearMethod
+    from kiln.runtime.quantization.rtn import quantize_model_rtn
+
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 512,
+        "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.05)
+    quantize_model_rtn(model, "fp8")
+    T = 11
+    for a in model.attention_layers():
+        a.k_cache = torch.zeros(4, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+        a.v_cache = torch.zeros_like(a.k_cache)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T, device="cuda"), block_tables=torch.tensor([[0]], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([T], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32, device="cuda"), max_query_len=T, max_seq_len=T,
+        seq_lens_list=[T], query_lens_list=[T], block_size=16)
+    ids = torch.randint(0, 256, (T,), device="cuda")
+    pos = torch.arange(T, device="cuda")
+    fused = model(ids, pos, meta)
+    calls = []
+    orig = Fp8LinearMethod.apply
+
+    def counting(self, layer, x):
+        calls.append(layer.prequantized is not None)
+        return orig(self, layer, x)
+
+    monkeypatch.setattr(Fp8LinearMethod, "apply", counting)
+    model(ids, pos, meta)
+    assert calls.count(True) == 2 * cfg.num_hidden_layers  # QKV and gate|up of every layer
+    monkeypatch.setattr(Fp8LinearMethod, "accepts_prequantized", False)
+    assert torch.equal(model(ids, pos, meta), fused)

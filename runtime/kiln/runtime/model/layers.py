@@ -56,6 +56,8 @@ class LinearBase(nn.Module):
     """
 
     kernel_options: KernelOptions = DEFAULT_OPTIONS
+    # (input, FP8 q, scales) left by the norm that produced the input (take_prequantized)
+    prequantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
@@ -69,6 +71,12 @@ class LinearBase(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         return ops.linear(x, self.weight, self.bias, self.kernel_options)
+
+    def take_prequantized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The FP8 ``(q, scales)`` of ``x`` that the norm before this layer wrote with it
+        (``RMSNorm.forward(quant_for=...)``), once: None when ``x`` is another tensor."""
+        pre, self.prequantized = self.prequantized, None
+        return (pre[1], pre[2]) if pre is not None and pre[0] is x else None
 
     def full_row_absmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """float32 [T, 1] ``max|x[t, :]|`` over the layer's whole input row when ``x`` [T, in/tp]
@@ -266,7 +274,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         _set_loader(self.weight, default_weight_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_for: "LinearBase | None" = None):
+        """``quant_for``: the linear that reads the output.  When its method takes a
+        pre-quantized FP8 input (``accepts_prequantized``), one kernel also quantizes the
+        output per token and hands it over (``LinearBase.prequantized``)."""
+        if quant_for is not None and getattr(quant_for.quant_method, "accepts_prequantized", False):
+            fused = ops.rms_norm_quant_fp8(x, self.weight, self.eps, residual, self.kernel_options)
+            if fused is not None:
+                out, res_out, q, scale = fused
+                quant_for.prequantized = (out, q, scale)
+                return out if residual is None else (out, res_out)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps, self.kernel_options)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.kernel_options)

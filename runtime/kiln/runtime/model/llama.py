@@ -131,13 +131,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
+        # each norm may hand its output to the next linear already quantized (FP8: quant_for)
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quant_for=qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quant_for=qkv)
         hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, quant_for=gate_up)
         return self.mlp(hidden), residual
 
 

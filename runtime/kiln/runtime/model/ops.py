@@ -64,6 +64,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
+def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                      options: KernelOptions):
+    """RMSNorm (after the residual add when given) with the per-token FP8 quantization of its
+    output in the same kernel: ``(normed, new_residual or None, q float8_e4m3fn [T, H], scales
+    float32 [T, 1])``, or None off CUDA / for float32 (the caller then runs the plain norm)."""
+    if not use_triton(x) or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return _kernel_module("norm").rms_norm_quant_fp8(x, weight, eps, residual, options=options)
+
+
 def silu_and_mul(x: torch.Tensor, options: KernelOptions) -> torch.Tensor:
     """SwiGLU activation (Shazeer, 2020): ``x`` [T, 2I] -> ``silu(x[:, :I]) * x[:, I:]`` [T, I]."""
     if use_triton(x):

@@ -67,6 +67,8 @@ def _scaled_mm_ok(x: torch.Tensor, layer) -> bool:
 
 class Fp8LinearMethod(LinearMethod):
     name = "fp8"
+    # the input may arrive quantized by the norm before the layer (RMSNorm.forward(quant_for=))
+    accepts_prequantized = True
 
     def create_weights(self, layer, name: str) -> None:
         N, K = layer.weight.shape
@@ -75,9 +77,10 @@ class Fp8LinearMethod(LinearMethod):
                                "weight_scale": torch.empty(N, dtype=torch.float32, device=dev)})
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        pre = layer.take_prequantized(x)  # (q, scales) of x from the norm's kernel, if it made them
         amax = layer.full_row_absmax(x)  # a row-parallel shard: the whole row's max (TP = 1's scale)
         if _scaled_mm_ok(x, layer):
-            xq, xs = _quant_kernel()(x.contiguous(), amax)
+            xq, xs = pre if pre is not None and amax is None else _quant_kernel()(x.contiguous(), amax)
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
                                  out_dtype=x.dtype, use_fast_accum=True)
             return y if layer.bias is None else y + layer.bias
