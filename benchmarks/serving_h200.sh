@@ -15,10 +15,12 @@ fi
 export PYTHONPATH=$PWD/runtime:$PWD/kernels:$PWD/common:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 K="python3 -m kiln.runtime.cli --log-level WARNING"
-MODEL=builtin:llama-3.1-8b; N=512; IN=1000; OUTLEN=1000; SEQS=256
+# N, IN, OUTLEN, SEQS, QUANT (weights at load), KV (--kv-cache-dtype), FRACTION from the environment;
+# THROUGHPUT_ONLY=1 skips the batch-1 and concurrency-1 runs
+MODEL=builtin:llama-3.1-8b; N=${N:-512}; IN=${IN:-1000}; OUTLEN=${OUTLEN:-1000}; SEQS=${SEQS:-256}
 if [ "${1:-}" = quick ]; then MODEL=builtin:llama-3.2-1b; N=64; IN=200; OUTLEN=100; SEQS=64; fi
 Q=${QUANT:-none}
-ENG="--model $MODEL --load-format dummy --max-num-seqs $SEQS --max-num-batched-tokens 4096 --kv-cache-memory-fraction 0.9"
+ENG="--model $MODEL --load-format dummy --max-num-seqs $SEQS --max-num-batched-tokens 4096 --kv-cache-memory-fraction ${FRACTION:-0.9} --kv-cache-dtype ${KV:-auto}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # offline first: the reference of every HTTP run below (a call cut short keeps it);
 # SKIP_OFFLINE=1 when an earlier call on the same machine measured it
@@ -26,7 +28,7 @@ if [ -z "${SKIP_OFFLINE:-}" ]; then
 echo "== offline $Q: $N x $IN/$OUTLEN"
 $K bench offline $ENG --quantization $Q --num-prompts $N --input-len $IN --output-len $OUTLEN --json $OUT/offline.json \
   2>&1 | tail -3
-echo "== offline batch 1: 2 x $IN/512"
+[ -z "${THROUGHPUT_ONLY:-}" ] && echo "== offline batch 1: 2 x $IN/512" && \
 $K bench offline --model $MODEL --load-format dummy --max-num-seqs 1 --quantization $Q --num-prompts 2 \
   --input-len $IN --output-len 512 --json $OUT/offline_b1.json 2>&1 | tail -3
 fi
@@ -58,7 +60,7 @@ print("  server CPU share:", {k: round((c1[k] - c0.get(k, 0)) / (t1 - t0), 2) fo
       f"running batch mean {sum(busy) / max(1, len(busy)):.0f} over {len(busy)} s")
 PY
   grep -iE "error|exception|traceback" $OUT/serve_$API.log | head -5
-  if [ $API = 1 ]; then
+  if [ $API = 1 ] && [ -z "${THROUGHPUT_ONLY:-}" ]; then
     $K bench serve --url http://127.0.0.1:8011 --num-prompts 16 --input-len $IN --output-len 256 \
       --range-ratio 0 --max-concurrency 1 --json $OUT/serve_c1.json 2>&1 | tail -4
   fi

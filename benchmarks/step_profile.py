@@ -116,8 +116,11 @@ def step_kind(row: dict) -> str:
     return "mixed" if row["decode_rows"] else "prefill"
 
 
-def run_workload(llm, model: StepModel, n: int, il: int, ol: int, seqs: int, window: int) -> dict:
-    """One workload with the per-step log and a profiler window per step type."""
+def run_workload(llm, model: StepModel, n: int, il: int, ol: int, seqs: int, window: int,
+                 host_profile: bool = False) -> dict:
+    """One workload with the per-step log and a profiler window per step type; with
+    ``host_profile`` no kernel windows but a cProfile of the host side (top functions by own
+    time, printed)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kiln.runtime.bench_common import make_workload
@@ -136,6 +139,7 @@ def run_workload(llm, model: StepModel, n: int, il: int, ol: int, seqs: int, win
     sched = eng.scheduler
     plan = sched.schedule
     log: list[dict] = []
+    preempted0 = sched.num_preemptions_total
 
     def logged():
         out = plan()
@@ -158,13 +162,20 @@ def run_workload(llm, model: StepModel, n: int, il: int, ol: int, seqs: int, win
     windows: dict = {}
     prof, prof_kind, prof_start = None, None, 0
     sync()
+    if host_profile:
+        import cProfile  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        window = 0
+        cpr = cProfile.Profile()
+        cpr.enable()
     t0 = time.perf_counter()
     try:
         while eng.has_unfinished_requests():
             if prof is None and log:
                 kind = step_kind(log[-1])
                 full = kind != "decode" or log[-1]["seqs"] >= 0.9 * min(seqs, n)
-                if kind not in windows and full and len(log) > 8:
+                if window and kind not in windows and full and len(log) > 8:
                     prof, prof_kind, prof_start = profile(activities=[activity]), kind, len(log)
                     prof.__enter__()
             eng.step()
@@ -186,6 +197,9 @@ def run_workload(llm, model: StepModel, n: int, il: int, ol: int, seqs: int, win
         sched.schedule = plan
         if prof is not None:
             prof.__exit__(None, None, None)
+        if host_profile:
+            cpr.disable()
+            pstats.Stats(cpr).sort_stats("tottime").print_stats(40)
     sync()
     wall = time.perf_counter() - t0
     skip = {i for w in windows.values() for i in range(w["at_step"] - 1, w["at_step"] + w["steps"] + 1)}
@@ -210,7 +224,9 @@ def run_workload(llm, model: StepModel, n: int, il: int, ol: int, seqs: int, win
         k["ms_per_step"] = k["s"] / k["steps"] * 1e3
         k["mean_seqs"] = k["seqs"] / k["steps"]
     return {"workload": f"{n}x{il}/{ol}", "max_num_seqs": seqs, "wall_s": wall, "output_tok_s": n * ol / wall,
-            "steps": len(log), "preemptions": sched.num_preemptions_total, "kinds": kinds, "windows": windows}
+            "steps": len(log), "preemptions": sched.num_preemptions_total - preempted0, "kinds": kinds, "windows": windows,
+            "step_log": [(step_kind(r)[0], r["seqs"], r["tokens"], round((log[i + 1]["t"] - r["t"]) * 1e3, 3),
+                          round(sum(model.bound(r)) * 1e3, 3)) for i, r in enumerate(log[:-1])]}
 
 
 def report(r: dict) -> None:
@@ -243,6 +259,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kv-fraction", type=float, default=0.94)
     ap.add_argument("--window", type=int, default=8, help="steps per profiler window")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile the host side of each run instead of the kernel windows")
     ap.add_argument("--gemm-tflops", type=float, default=1150.0)
     ap.add_argument("--attn-tflops", type=float, default=227.0)
     ap.add_argument("--json", default=None)
@@ -264,7 +282,7 @@ def main() -> int:
     model = StepModel(llm.engine.model_config, kv_elem, ns.gemm_tflops * 1e12, ns.attn_tflops * 1e12, copy)
     results = []
     for n, il, ol, seqs in workloads:
-        results.append(run_workload(llm, model, n, il, ol, seqs, ns.window))
+        results.append(run_workload(llm, model, n, il, ol, seqs, ns.window, ns.host_profile))
         report(results[-1])
     path = ns.json or (os.path.join(os.environ["OUT"], "step_profile.json") if os.environ.get("OUT") else None)
     if path:

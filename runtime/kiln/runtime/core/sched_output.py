@@ -12,14 +12,16 @@ from dataclasses import dataclass, field
 from .request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
     The tokens to compute are ``request.all_token_ids[num_computed_tokens :
     num_computed_tokens + num_new_tokens]`` at positions ``num_computed_tokens ..``; token
     at position ``p`` goes to KV slot ``block_ids[p // block_size] * block_size + p %
-    block_size``.
+    block_size``.  The derived fields (``num_tokens``, ``num_spec_tokens``,
+    ``needs_sample``, ``is_decode``) are computed once, at construction: every step reads
+    them several times per request, and none of their inputs changes afterwards.
     """
 
     # The request record (shared with the scheduler; read-only for the model runner).
@@ -43,33 +45,26 @@ class ScheduledRequest:
     # Snapshot of request.num_tokens at schedule time (tokens), so that needs_sample keeps
     # its value after update_from_output appended the sampled token.
     num_tokens: int = field(init=False)
+    # Draft tokens verified this step (tokens; 0 without speculation).
+    num_spec_tokens: int = field(init=False)
+    # True when this step computes the request's last known token, so its logits give the
+    # next token (``num_computed_tokens + num_new_tokens - num_spec_tokens == num_tokens``);
+    # False for a prefill chunk that stops short of the end.
+    needs_sample: bool = field(init=False)
+    # True for a decode: one new known token (plus any drafts), past the prompt.
+    is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_tokens = self.request.num_tokens
+        req = self.request
+        self.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        k = self.num_spec_tokens = len(self.spec_token_ids)
+        self.needs_sample = self.num_computed_tokens + self.num_new_tokens - k == self.num_tokens
+        self.is_decode = self.num_new_tokens - k == 1 and self.num_computed_tokens >= len(req.prompt_token_ids)
 
     @property
     def request_id(self) -> str:
         """The request's id."""
         return self.request.request_id
-
-    @property
-    def needs_sample(self) -> bool:
-        """True when this step computes the request's last known token, so its logits give
-        the next token (``num_computed_tokens + num_new_tokens == request.num_tokens`` at
-        schedule time; stable after ``update_from_output``); False for a prefill chunk that
-        stops short of the end."""
-        return self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.num_tokens
-
-    @property
-    def num_spec_tokens(self) -> int:
-        """Draft tokens verified this step (tokens; 0 without speculation)."""
-        return len(self.spec_token_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        """True for a decode step: one new known token (plus any drafts), past the prompt."""
-        return self.num_new_tokens - len(self.spec_token_ids) == 1 \
-            and self.num_computed_tokens >= self.request.num_prompt_tokens
 
 
 @dataclass
