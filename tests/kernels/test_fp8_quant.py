@@ -111,7 +111,7 @@ def test_rms_norm_quant_fp8(T, H, residual):
         assert res_out is None
     assert torch.equal(out, want)
     _, sr = per_token_quant_fp8_ref(want.cpu())
-    assert torch.equal(s.cpu(), sr)
+    assert torch.allclose(s.cpu(), sr, rtol=1e-6, atol=0)  # the GPU's float32 division may differ in the last bit
     if HAS_CUDA:
         from kiln.kernels.fp8_quant import per_token_quant_fp8
 

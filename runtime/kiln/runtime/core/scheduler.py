@@ -268,24 +268,32 @@ class Scheduler:
             raise RuntimeError("a synchronous step was planned while a step in flight has not been read back")
         budget = cfg.max_num_batched_tokens
 
-        # 1. Running requests, oldest first.
+        # 1. Running requests, oldest first.  (The loop body runs once per running request
+        # and step, hundreds of times: the common decode reads plain attributes only.)
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0 or req.num_output_tokens >= req.max_tokens:
+        running = self.running
+        allocate = kv.allocate_slots
+        async_step = out.async_step
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_output = len(req.output_token_ids)
+            num_new = min(len(req.prompt_token_ids) + num_output - req.num_computed_tokens, budget)
+            if num_new <= 0 or num_output >= req.max_tokens:
                 # nothing to compute: the engine did not finish it yet (or, asynchronous,
                 # its last token is still being sampled)
-                req.spec_token_ids = []
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
                 i += 1
                 continue
-            num_drafts = 0 if out.async_step else self._num_drafts(req, budget)
-            drafts, req.spec_token_ids = req.spec_token_ids[:num_drafts], []
-            if drafts and kv.allocate_slots(req, num_new + len(drafts)) is None:
-                drafts = []  # no room for the drafts: decode plainly (or preempt below)
-            num_new += len(drafts)
+            drafts: list[int] = []
+            if req.spec_token_ids:
+                num_drafts = 0 if async_step else self._num_drafts(req, budget)
+                drafts, req.spec_token_ids = req.spec_token_ids[:num_drafts], []
+                if drafts and allocate(req, num_new + len(drafts)) is None:
+                    drafts = []  # no room for the drafts: decode plainly (or preempt below)
+                num_new += len(drafts)
             blocked = False
-            while kv.allocate_slots(req, num_new) is None:
+            while allocate(req, num_new) is None:
                 if cfg.policy == "guaranteed_no_evict":
                     logger.warning(
                         "guaranteed_no_evict: request %s could not grow (%d free blocks); preempting",
