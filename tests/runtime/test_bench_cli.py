@@ -99,6 +99,8 @@ def test_offline_flags_parse():
     (["serve", "--goodput", "tpot:-5"], "'tpot:-5': must be a finite number above 0"),
     (["serve", "--dataset", "sharegpt"], "invalid choice: 'sharegpt'"),
     (["offline", "--quantization", "int3"], "invalid choice: 'int3'"),
+    (["offline", "--kv-cache-dtype", "int8"], "invalid choice: 'int8'"),
+    (["serve", "--kv-cache-dtype", "fp8_e5m2"], "invalid choice: 'fp8_e5m2'"),
     (["offline", "--range-ratio", "1.5"], "must be in [0, 1)"),
 ])
 def test_bad_flags_are_one_error_and_exit_2(args, message, capsys):
@@ -116,11 +118,11 @@ def test_bad_flags_are_one_error_and_exit_2(args, message, capsys):
     (["serve", "--url", "http://127.0.0.1:1", "--dataset", "lognormal", "--range-ratio", "0.2"],
      "--range-ratio applies to --dataset random"),
     (["serve", "--url", "http://127.0.0.1:1", "--load-format", "dummy"], "configure the server started here"),
+    (["serve", "--url", "http://127.0.0.1:1", "--kv-cache-dtype", "fp8"], "configure the server started here"),
     (["serve", "--engine", "e", "--load-format", "dummy"], "--load-format dummy applies to a --model"),
     (["serve", "--url", "http://127.0.0.1:1", "--json", "/proc/x.json"], "cannot write --json /proc/x.json"),
     (["offline", "--model", "m", "--quantization", "fp8"], "applies only to random weights (--load-format dummy)"),
     (["offline", "--model", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 needs calibrated KV scales"),
-    (["offline", "--load-format", "dummy", "--kv-cache-dtype", "int8"], "invalid choice: 'int8'"),
     (["offline", "--load-format", "dummy", "--quantization", "fp8", "--peer", "transformers"],
      "cannot be compared with --quantization fp8"),
 ])
@@ -161,3 +163,18 @@ def test_bench_offline_quantized_random_weights(tmp_path):
     assert "int4-awq weights (round to nearest)" in r.stdout
     res = json.loads(out.read_text())["results"][0]
     assert res["quantization"] == "int4-awq" and res["output_tokens"] > 0
+
+
+def test_started_server_arguments_parse_as_kiln_serve():
+    """What `kiln bench serve` passes to the `kiln serve` it starts is a valid command line of
+    the real parser, with each forwarded flag's value."""
+    from kiln.runtime.bench_serve import server_args
+    from kiln.runtime.cli import build_parser
+
+    ns = _parse("serve", "--model", "builtin:llama-3.2-1b", "--load-format", "dummy", "--max-num-seqs", "8",
+                "--kv-cache-dtype", "fp8")
+    served = build_parser().parse_args(["serve", *server_args(ns, 8123)])
+    assert (served.model, served.load_format, served.max_num_seqs, served.kv_cache_dtype, served.port) == \
+        ("builtin:llama-3.2-1b", "dummy", 8, "fp8", 8123)
+    plain = build_parser().parse_args(["serve", *server_args(_parse("serve", "--engine", "e"), 1)])
+    assert (plain.engine, plain.kv_cache_dtype, plain.load_format) == ("e", "auto", "auto")

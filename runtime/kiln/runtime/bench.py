@@ -155,10 +155,12 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     wl = workload_from_flags(ns, llm.engine.model_config.vocab_size, llm.tokenizer)
     runner = llm.engine.runner
     quant = f", {ns.quantization} weights (round to nearest)" if ns.quantization != "none" else ""
-    print(f"[bench] model {llm.engine.model_ref} on {runner.device}/{runner.dtype}{quant}; "
+    kv_dtype = str(runner.kv_cache_dtype()).removeprefix("torch.")
+    print(f"[bench] model {llm.engine.model_ref} on {runner.device}/{runner.dtype}{quant}, KV cache {kv_dtype}; "
           f"{describe_workload(ns, wl)}", flush=True)
     results = [run_kiln_offline(llm, wl)]
     results[0]["quantization"] = ns.quantization
+    results[0]["kv_cache_dtype"] = kv_dtype
     print(json.dumps(json_safe(results[-1])), flush=True)
     if ns.peer != "none":
         hf = build_hf_peer(llm)

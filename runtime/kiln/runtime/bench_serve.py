@@ -301,6 +301,8 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
                           "builtin:llama-3.1-8b)")
     srv.add_argument("--max-num-seqs", type=positive_int, default=None,
                      help="without --url: the started server's --max-num-seqs (default: kiln serve's)")
+    srv.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                     help="without --url: the started server's --kv-cache-dtype (default: kiln serve's, auto)")
     add_workload_args(srv, (128, 64, 0.5))
     srv.add_argument("--vocab-size", type=positive_int, default=None,
                      help="prompt token ids are below this (default: the started model's vocabulary; with --url "
@@ -328,8 +330,8 @@ def check_serve_flags(ns: argparse.Namespace) -> dict[str, float]:
     """
     if ns.url and ns.engine:
         raise ValueError("--engine starts a server here; it cannot be used with --url")
-    if ns.url and (ns.load_format or ns.max_num_seqs is not None):
-        raise ValueError("--load-format and --max-num-seqs configure the server started here; "
+    if ns.url and (ns.load_format or ns.max_num_seqs is not None or ns.kv_cache_dtype):
+        raise ValueError("--load-format, --max-num-seqs and --kv-cache-dtype configure the server started here; "
                          "they cannot be used with --url")
     if ns.engine and ns.load_format == "dummy":
         raise ValueError("--load-format dummy applies to a --model, not to an engine")
@@ -363,6 +365,19 @@ def _vocab_size(ns: argparse.Namespace) -> int:
     return loader.load_model_config(loader.resolve_source(ns.model)).vocab_size
 
 
+def server_args(ns: argparse.Namespace, port: int) -> list[str]:
+    """The ``kiln serve`` arguments of the server started here (without --url)."""
+    args = ["--host", "127.0.0.1", "--port", str(port)]
+    args += ["--model", ns.model] if ns.model else ["--engine", ns.engine] if ns.engine else []
+    if ns.load_format:
+        args += ["--load-format", ns.load_format]
+    if ns.max_num_seqs is not None:  # else serve's default (capped by an engine's build limit)
+        args += ["--max-num-seqs", str(ns.max_num_seqs)]
+    if ns.kv_cache_dtype:
+        args += ["--kv-cache-dtype", ns.kv_cache_dtype]
+    return args
+
+
 def _start_server(ns: argparse.Namespace):
     """Start ``kiln serve`` on a free local port; returns ``(process, url)``, or ``(None, exit
     code)`` when it did not start (its error is already printed)."""
@@ -371,13 +386,8 @@ def _start_server(ns: argparse.Namespace):
     from .demo import free_port, wait_ready  # noqa: PLC0415
 
     port = free_port()
-    extra = ["--model", ns.model] if ns.model else ["--engine", ns.engine] if ns.engine else []
-    if ns.load_format:
-        extra += ["--load-format", ns.load_format]
-    if ns.max_num_seqs is not None:  # else serve's default (capped by an engine's build limit)
-        extra += ["--max-num-seqs", str(ns.max_num_seqs)]
     proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.cli", "--log-level", "WARNING", "serve",
-                             "--host", "127.0.0.1", "--port", str(port), *extra])
+                             *server_args(ns, port)])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)

@@ -44,7 +44,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                   help="fp8: an FP8 (E4M3) KV cache, twice the tokens per GiB; needs an engine built with "
+                   help="fp8: an FP8 (E4M3) KV cache, one byte per value (half of bfloat16's); needs an engine built with "
                         "`kiln build --kv-cache-dtype fp8` (calibrated scales) or --load-format dummy. auto: the "
                         "model dtype, or the engine's own")
     p.add_argument("--scheduler-policy", choices=["max_utilization", "guaranteed_no_evict"], default="max_utilization")

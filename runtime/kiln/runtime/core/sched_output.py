@@ -55,11 +55,11 @@ class ScheduledRequest:
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        req = self.request
-        self.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        req = self.request  # a Request, or a tensor-parallel worker's PlannedRequest (the same counts)
+        self.num_tokens = req.num_tokens
         k = self.num_spec_tokens = len(self.spec_token_ids)
         self.needs_sample = self.num_computed_tokens + self.num_new_tokens - k == self.num_tokens
-        self.is_decode = self.num_new_tokens - k == 1 and self.num_computed_tokens >= len(req.prompt_token_ids)
+        self.is_decode = self.num_new_tokens - k == 1 and self.num_computed_tokens >= req.num_prompt_tokens
 
     @property
     def request_id(self) -> str:

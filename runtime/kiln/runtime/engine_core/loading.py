@@ -151,9 +151,9 @@ def load_model(args: EngineArgs, tp=None, catch_up_rows: int = 0) -> LoadedModel
     eos = set(cfg.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(int(tokenizer.eos_token_id))
-    log.info("model loaded in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+    log.info("model loaded in %.1fs: %s on %s/%s, %d KV blocks of %d tokens (%s), max_model_len %d",
              time.perf_counter() - t0, model_ref, runner.device, runner.dtype, num_blocks, args.block_size,
-             max_model_len)
+             str(runner.kv_cache_dtype()).removeprefix("torch."), max_model_len)
     return LoadedModel(args, runner, cfg, model_ref, max_model_len, sorted(eos), tokenizer, tok_source,
                        time.perf_counter() - t0)
 
