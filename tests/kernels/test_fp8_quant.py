@@ -25,6 +25,24 @@ def _gate_up(T: int, inter: int, dtype) -> torch.Tensor:
     return x.to(dtype).to(DEVICE)
 
 
+def _fp8_llama(num_layers: int):
+    """A random bf16 Llama (hidden 512) on CUDA with FP8 weights rounded to nearest, and its config."""
+    from kiln.runtime.model.config import ModelConfig
+    from kiln.runtime.model.llama import LlamaForCausalLM
+    from kiln.runtime.quantization.rtn import quantize_model_rtn
+
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 512,
+        "intermediate_size": 1536, "num_hidden_layers": num_layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.05)
+    quantize_model_rtn(model, "fp8")
+    return model, cfg
+
+
 @pytest.mark.parametrize("T,inter", [(1, 256), (5, 576), (3, 1000)] + ([(768, 14336)] if HAS_CUDA else []))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_and_mul_quant_fp8_against_the_reference(T, inter, dtype):
@@ -68,19 +86,7 @@ def test_bad_input(bad, message):
 def test_fp8_mlp_takes_the_fused_path_with_the_same_output():
     """An FP8 Llama MLP (weights rounded to nearest) gives bit-identical output through the
     fused SwiGLU + quantization and through SiLU-and-mul then the down projection."""
-    from kiln.runtime.model.config import ModelConfig
-    from kiln.runtime.model.llama import LlamaForCausalLM
-    from kiln.runtime.quantization.rtn import quantize_model_rtn
-
-    cfg = ModelConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 512,
-        "intermediate_size": 1536, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-    for p in model.parameters():
-        p.data.normal_(0.0, 0.05)
-    quantize_model_rtn(model, "fp8")
+    model, _ = _fp8_llama(num_layers=1)
     mlp = model.model.layers[0].mlp
     x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
     gate_up = mlp.gate_up_proj(x)
@@ -124,20 +130,9 @@ def test_fp8_decoder_layer_with_fused_norm_quantization_is_unchanged(monkeypatch
     """A whole FP8 decoder stack: the norms quantizing for the QKV and gate|up projections give
     the same hidden states as the separate quantization kernels."""
     from kiln.runtime.attention import AttentionMetadata
-    from kiln.runtime.model.config import ModelConfig
-    from kiln.runtime.model.llama import LlamaForCausalLM
     from kiln.runtime.quantization.fp8 import Fp8LinearMethod
-    from kiln.runtime.quantization.rtn import quantize_model_rtn
 
-    cfg = ModelConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 512,
-        "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-    for p in model.parameters():
-        p.data.normal_(0.0, 0.05)
-    quantize_model_rtn(model, "fp8")
+    model, cfg = _fp8_llama(num_layers=2)
     T = 11
     for a in model.attention_layers():
         a.k_cache = torch.zeros(4, 16, 2, 128, device="cuda", dtype=torch.bfloat16)

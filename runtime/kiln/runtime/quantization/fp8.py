@@ -81,13 +81,10 @@ class Fp8LinearMethod(LinearMethod):
         amax = layer.full_row_absmax(x)  # a row-parallel shard: the whole row's max (TP = 1's scale)
         if _scaled_mm_ok(x, layer):
             xq, xs = pre if pre is not None and amax is None else _quant_kernel()(x.contiguous(), amax)
-            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
-                                 out_dtype=x.dtype, use_fast_accum=True)
-            return y if layer.bias is None else y + layer.bias
+            return _scaled_gemm(xq, xs, layer, x.dtype)
         xq, xs = quantize_rows_fp8(x, amax)
         w = cached_dequant(layer, lambda: (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype))
         return F.linear((xq.float() * xs).to(x.dtype), w, layer.bias)
-
 
     def apply_after_swiglu(self, layer, gate_up: torch.Tensor) -> torch.Tensor | None:
         """``layer(silu_and_mul(gate_up))`` with SwiGLU and the activation quantization in one
@@ -101,9 +98,16 @@ class Fp8LinearMethod(LinearMethod):
         except Exception:  # pragma: no cover - kernels unavailable
             return None
         xq, xs = silu_and_mul_quant_fp8(gate_up)
-        y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
-                             out_dtype=gate_up.dtype, use_fast_accum=True)
-        return y if layer.bias is None else y + layer.bias
+        return _scaled_gemm(xq, xs, layer, gate_up.dtype)
+
+
+def _scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, layer, out_dtype: torch.dtype) -> torch.Tensor:
+    """``xq`` float8 [T, K] (per-token scales ``xs`` float32 [T, 1]) times the layer's FP8
+    weight on the tensor cores (``torch._scaled_mm``, fast accumulation), plus its bias:
+    [T, N] in ``out_dtype``."""
+    y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale.view(1, -1),
+                         out_dtype=out_dtype, use_fast_accum=True)
+    return y if layer.bias is None else y + layer.bias
 
 
 def _quant_kernel():
