@@ -157,3 +157,16 @@ def test_fp8_decoder_layer_with_fused_norm_quantization_is_unchanged(monkeypatch
     assert calls.count(True) == 2 * cfg.num_hidden_layers  # QKV and gate|up of every layer
     monkeypatch.setattr(Fp8LinearMethod, "accepts_prequantized", False)
     assert torch.equal(model(ids, pos, meta), fused)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda: (torch.zeros(4, 64), torch.ones(64)), "float16/bfloat16"),
+    (lambda: (torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)), "weight must be"),
+    (lambda: (torch.zeros(64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)), r"\[num_tokens, hidden\]"),
+])
+def test_rms_norm_quant_fp8_bad_input(bad, message):
+    from kiln.kernels.norm import rms_norm_quant_fp8
+
+    x, w = bad()
+    with pytest.raises(ValueError, match=message):
+        rms_norm_quant_fp8(x.to(DEVICE), w.to(DEVICE), 1e-6)
